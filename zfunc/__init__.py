@@ -1,0 +1,1 @@
+"""zfunc: ZeRO as composable transforms of pure training steps."""
