@@ -164,7 +164,8 @@ def _ext_name(name: str, cflags: Sequence[str], ldflags: Sequence[str], cuda: bo
 
 def _short(err: BaseException) -> str:
     text = str(err).strip()
-    lines = [ln for ln in text.splitlines() if "error" in ln.lower()]
+    lines = [ln for ln in text.splitlines() if "error:" in ln.lower()] or [
+        ln for ln in text.splitlines() if "error" in ln.lower()]
     msg = (lines[0] if lines else (text.splitlines() or [type(err).__name__])[-1]).strip()
     return f"{type(err).__name__}: {msg[:400]}"
 

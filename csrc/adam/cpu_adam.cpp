@@ -1,0 +1,336 @@
+// Fused Adam/AdamW for CPU tensors: one pass per element over many tensors.
+//
+// Per element (math in float, whatever the storage types):
+//   g  = grad * grad_scale                       (unscale x clip factor folded in)
+//   Adam:  g += weight_decay * p     AdamW:  p *= 1 - lr * weight_decay
+//   m  = m + (1 - beta1) * (g - m)               (m.lerp_(g, 1 - beta1), one fma)
+//   v  = beta2 * v + (1 - beta2) * g * g
+//   p -= (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//   low = p                                      (optional bf16/fp16 twin)
+// The operation order is that of torch's Adam (lerp for m, division by the
+// bias-corrected sqrt(v)), so fp32 results agree with torch.optim.AdamW to fp32
+// rounding. Storage types: param float|bf16, grad
+// float|bf16|fp16, state float|bf16, low-precision copy none|bf16|fp16.
+//
+// All tensors of a call are cut into chunks; OpenMP threads (as many as
+// at::get_num_threads(), i.e. torch.set_num_threads / OMP_NUM_THREADS) take
+// contiguous runs of chunks. The GIL is released while the kernel runs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <omp.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace zf {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per work item (256 KiB of fp32)
+
+struct Hyper {
+  float scale, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float l2;     // Adam: weight decay added to the gradient (0 for AdamW)
+  float decay;  // AdamW: 1 - lr * weight_decay (1 for Adam)
+  float step_size, bias2_sqrt;
+  bool adamw;
+};
+
+// m.lerp_(g, w) for the small weights Adam uses: m + w * (g - m), fused.
+inline float lerp(float m, float g, float w) {
+#ifdef __FMA__
+  return std::fma(w, g - m, m);
+#else
+  return m + w * (g - m);
+#endif
+}
+
+using KernelFn = void (*)(void* p, const void* g, void* m, void* v, void* low, int64_t n,
+                          const Hyper& h);
+
+#ifdef ZFUNC_AVX512
+template <bool Masked, class P, class G, class S, class L>
+inline void adam16(P* p, const G* g, S* m, S* v, L* low, __mmask16 k, const Hyper& h) {
+  vf gv = _mm512_mul_ps(vload<Masked>(g, k), _mm512_set1_ps(h.scale));
+  vf pv = vload<Masked>(p, k);
+  if (h.adamw) pv = _mm512_mul_ps(pv, _mm512_set1_ps(h.decay));
+  else if (h.l2 != 0.0f) gv = _mm512_add_ps(gv, _mm512_mul_ps(pv, _mm512_set1_ps(h.l2)));
+  vf mv = vload<Masked>(m, k);
+  mv = _mm512_fmadd_ps(_mm512_set1_ps(h.one_minus_beta1), _mm512_sub_ps(gv, mv), mv);
+  vf vv = _mm512_add_ps(_mm512_mul_ps(vload<Masked>(v, k), _mm512_set1_ps(h.beta2)),
+                        _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(h.one_minus_beta2), gv), gv));
+  vstore<Masked>(m, mv, k);
+  vstore<Masked>(v, vv, k);
+  vf denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vv), _mm512_set1_ps(h.bias2_sqrt)),
+                           _mm512_set1_ps(h.eps));
+  pv = _mm512_sub_ps(pv, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(h.step_size), mv), denom));
+  vstore<Masked>(p, pv, k);
+  if constexpr (!std::is_same_v<L, none>) vstore<Masked>(low, pv, k);
+}
+#endif
+
+template <class P, class G, class S, class L>
+void adam_kernel(void* p_, const void* g_, void* m_, void* v_, void* low_, int64_t n,
+                 const Hyper& h) {
+  P* p = static_cast<P*>(p_);
+  const G* g = static_cast<const G*>(g_);
+  S* m = static_cast<S*>(m_);
+  S* v = static_cast<S*>(v_);
+  L* low = static_cast<L*>(low_);
+  constexpr bool kLow = !std::is_same_v<L, none>;
+  int64_t i = 0;
+#ifdef ZFUNC_AVX512
+  for (; i + kLanes <= n; i += kLanes)
+    adam16<false>(p + i, g + i, m + i, v + i, kLow ? low + i : nullptr, 0, h);
+  if (i < n)
+    adam16<true>(p + i, g + i, m + i, v + i, kLow ? low + i : nullptr, tail_mask(n - i), h);
+#else
+  // Plain loop with the same operation order; gcc -O3 -fno-math-errno
+  // vectorises it (conversions included).
+  const float scale = h.scale, c1 = h.one_minus_beta1, b2 = h.beta2,
+              c2 = h.one_minus_beta2, eps = h.eps, l2 = h.l2, decay = h.decay,
+              step_size = h.step_size, bias2_sqrt = h.bias2_sqrt;
+  const bool adamw = h.adamw;
+  for (; i < n; ++i) {
+    float gi = to_f32(g[i]) * scale;
+    float pi = to_f32(p[i]);
+    if (adamw) pi = pi * decay;
+    else if (l2 != 0.0f) gi = gi + pi * l2;
+    float mi = to_f32(m[i]);
+    mi = lerp(mi, gi, c1);
+    float vi = to_f32(v[i]) * b2 + c2 * gi * gi;
+    m[i] = from_f32<S>(mi);
+    v[i] = from_f32<S>(vi);
+    pi = pi - step_size * mi / (std::sqrt(vi) / bias2_sqrt + eps);
+    p[i] = from_f32<P>(pi);
+    if constexpr (kLow) low[i] = from_f32<L>(pi);
+  }
+#endif
+}
+
+// ------------------------------------------------------------- dispatch
+template <class F> void with_type(c10::ScalarType t, bool allow_half, const char* what, F&& f) {
+  switch (t) {
+    case c10::ScalarType::Float: f(float{}); return;
+    case c10::ScalarType::BFloat16: f(bf16{}); return;
+    case c10::ScalarType::Half:
+      if (allow_half) { f(f16{}); return; }
+      break;
+    default: break;
+  }
+  TORCH_CHECK(false, "cpu_adam: unsupported ", what, " dtype ", t);
+}
+
+KernelFn pick_kernel(c10::ScalarType pt, c10::ScalarType gt, c10::ScalarType st,
+                     std::optional<c10::ScalarType> lt) {
+  KernelFn fn = nullptr;
+  with_type(pt, false, "param", [&](auto P) {
+    with_type(gt, true, "grad", [&](auto G) {
+      with_type(st, false, "state", [&](auto S) {
+        using TP = decltype(P); using TG = decltype(G); using TS = decltype(S);
+        if (!lt) { fn = &adam_kernel<TP, TG, TS, none>; return; }
+        with_type(*lt, true, "low-precision param", [&](auto L) {
+          using TL = decltype(L);
+          if constexpr (std::is_same_v<TL, float>) {
+            TORCH_CHECK(false, "cpu_adam: the low-precision copy must be bf16 or fp16");
+          } else {
+            fn = &adam_kernel<TP, TG, TS, TL>;
+          }
+        });
+      });
+    });
+  });
+  return fn;
+}
+
+struct Item {
+  KernelFn fn;
+  char *p, *m, *v, *low;
+  const char* g;
+  int64_t n;
+};
+
+void check(const at::Tensor& t, const at::Tensor& like, const char* what, size_t i) {
+  TORCH_CHECK(t.device().is_cpu(), "cpu_adam: ", what, "[", i, "] is not on the CPU");
+  TORCH_CHECK(t.is_contiguous(), "cpu_adam: ", what, "[", i, "] is not contiguous");
+  TORCH_CHECK(t.numel() == like.numel(), "cpu_adam: ", what, "[", i, "] has ", t.numel(),
+              " elements, the param ", like.numel());
+}
+
+int threads_for(int64_t total) {
+  int nt = at::get_num_threads();
+  return total < 2 * kChunk ? 1 : std::max(1, nt);
+}
+
+void adam_update(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& exp_avgs,
+                 const std::vector<at::Tensor>& exp_avg_sqs,
+                 const std::vector<at::Tensor>& lowp, int64_t step, double lr, double beta1,
+                 double beta2, double eps, double weight_decay, bool decoupled,
+                 double grad_scale) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+              "cpu_adam: params, grads, exp_avgs and exp_avg_sqs differ in length");
+  TORCH_CHECK(lowp.empty() || lowp.size() == n, "cpu_adam: lowp_params differs in length");
+  TORCH_CHECK(step >= 1, "cpu_adam: step must be >= 1 (1-based, after this update)");
+
+  // Scalars as torch computes them: in double, then rounded to float.
+  const double bias1 = 1.0 - std::pow(beta1, double(step));
+  const double bias2 = 1.0 - std::pow(beta2, double(step));
+  Hyper h;
+  h.scale = float(grad_scale);
+  h.beta1 = float(beta1);
+  h.one_minus_beta1 = float(1.0 - beta1);
+  h.beta2 = float(beta2);
+  h.one_minus_beta2 = float(1.0 - beta2);
+  h.eps = float(eps);
+  h.adamw = decoupled;
+  h.l2 = decoupled ? 0.0f : float(weight_decay);
+  h.decay = decoupled ? float(1.0 - lr * weight_decay) : 1.0f;
+  h.step_size = float(lr / bias1);
+  h.bias2_sqrt = float(std::sqrt(bias2));
+
+  std::vector<Item> items;
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    check(p, p, "params", i);
+    check(grads[i], p, "grads", i);
+    check(exp_avgs[i], p, "exp_avgs", i);
+    check(exp_avg_sqs[i], p, "exp_avg_sqs", i);
+    TORCH_CHECK(exp_avgs[i].scalar_type() == exp_avg_sqs[i].scalar_type(),
+                "cpu_adam: exp_avgs[", i, "] and exp_avg_sqs[", i, "] differ in dtype");
+    std::optional<c10::ScalarType> lt;
+    if (!lowp.empty()) {
+      check(lowp[i], p, "lowp_params", i);
+      lt = lowp[i].scalar_type();
+    }
+    KernelFn fn = pick_kernel(p.scalar_type(), grads[i].scalar_type(),
+                              exp_avgs[i].scalar_type(), lt);
+    const int64_t numel = p.numel();
+    char* pp = static_cast<char*>(p.data_ptr());
+    const char* gp = static_cast<const char*>(grads[i].data_ptr());
+    char* mp = static_cast<char*>(exp_avgs[i].data_ptr());
+    char* vp = static_cast<char*>(exp_avg_sqs[i].data_ptr());
+    char* lp = lowp.empty() ? nullptr : static_cast<char*>(lowp[i].data_ptr());
+    const int64_t ps = p.element_size(), gs = grads[i].element_size(),
+                  ss = exp_avgs[i].element_size(), ls = lowp.empty() ? 0 : lowp[i].element_size();
+    for (int64_t b = 0; b < numel; b += kChunk) {
+      items.push_back(Item{fn, pp + b * ps, mp + b * ss, vp + b * ss, lp ? lp + b * ls : nullptr,
+                           gp + b * gs, std::min(kChunk, numel - b)});
+    }
+    total += numel;
+  }
+
+  pybind11::gil_scoped_release no_gil;
+  const int nt = threads_for(total);
+  const int64_t count = int64_t(items.size());
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const Item& it = items[i];
+    it.fn(it.p, it.g, it.m, it.v, it.low, it.n, h);
+  }
+}
+
+// ------------------------------------------------- sum of squares + finite check
+template <class T> void sumsq_kernel(const void* x_, int64_t n, double* sumsq, bool* finite) {
+  const T* x = static_cast<const T*>(x_);
+  int64_t i = 0;
+#ifdef ZFUNC_AVX512
+  __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+  __mmask16 bad = 0;
+  auto body = [&](vf f) {
+    // x * 0 is NaN exactly when x is inf or NaN.
+    vf z = _mm512_mul_ps(f, _mm512_setzero_ps());
+    bad |= _mm512_cmp_ps_mask(z, z, _CMP_UNORD_Q);
+    __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(f));
+    __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)));
+    a0 = _mm512_fmadd_pd(lo, lo, a0);
+    a1 = _mm512_fmadd_pd(hi, hi, a1);
+  };
+  for (; i + kLanes <= n; i += kLanes) body(vload<false>(x + i, 0));
+  if (i < n) body(vload<true>(x + i, tail_mask(n - i)));
+  *sumsq = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+  *finite = bad == 0;
+#else
+  double acc = 0.0;
+  bool ok = true;
+  for (; i < n; ++i) {
+    float f = to_f32(x[i]);
+    acc += double(f) * double(f);
+    ok &= std::isfinite(f);
+  }
+  *sumsq = acc;
+  *finite = ok;
+#endif
+}
+
+std::tuple<double, bool> nonfinite_and_sq_norm(const std::vector<at::Tensor>& xs) {
+  using Fn = void (*)(const void*, int64_t, double*, bool*);
+  struct Job { Fn fn; const char* x; int64_t n; };
+  std::vector<Job> jobs;
+  int64_t total = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor& t = xs[i];
+    check(t, t, "tensors", i);
+    Fn fn = nullptr;
+    with_type(t.scalar_type(), true, "tensor", [&](auto T) { fn = &sumsq_kernel<decltype(T)>; });
+    const char* ptr = static_cast<const char*>(t.data_ptr());
+    for (int64_t b = 0; b < t.numel(); b += kChunk)
+      jobs.push_back(Job{fn, ptr + b * t.element_size(), std::min(kChunk, t.numel() - b)});
+    total += t.numel();
+  }
+  std::vector<double> sums(jobs.size(), 0.0);
+  std::vector<char> ok(jobs.size(), 1);
+  {
+    pybind11::gil_scoped_release no_gil;
+    const int nt = threads_for(total);
+    const int64_t count = int64_t(jobs.size());
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t i = 0; i < count; ++i) {
+      bool f = true;
+      jobs[i].fn(jobs[i].x, jobs[i].n, &sums[i], &f);
+      ok[i] = f;
+    }
+  }
+  // Chunk sums are added in a fixed order: the result does not depend on the
+  // number of threads.
+  double s = 0.0;
+  bool finite = true;
+  for (size_t i = 0; i < jobs.size(); ++i) { s += sums[i]; finite &= ok[i] != 0; }
+  return {s, finite && std::isfinite(s)};
+}
+
+std::string simd() {
+#ifdef ZFUNC_AVX512
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2 (auto-vectorised)";
+#else
+  return "portable (auto-vectorised)";
+#endif
+}
+
+}  // namespace
+}  // namespace zf
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zfunc fused CPU Adam";
+  m.def("adam_update", &zf::adam_update, "Fused Adam/AdamW over lists of CPU tensors",
+        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"),
+        pybind11::arg("exp_avg_sqs"), pybind11::arg("lowp_params"), pybind11::arg("step"),
+        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"),
+        pybind11::arg("eps"), pybind11::arg("weight_decay"), pybind11::arg("decoupled"),
+        pybind11::arg("grad_scale"));
+  m.def("nonfinite_and_sq_norm", &zf::nonfinite_and_sq_norm,
+        "(sum of squares in double, all finite) over a list of CPU tensors");
+  m.def("simd", &zf::simd, "which code path was compiled");
+}
