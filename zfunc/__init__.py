@@ -1,1 +1,19 @@
-"""zfunc: ZeRO as composable transforms of pure training steps."""
+"""zfunc: ZeRO as composable transforms of pure training steps.
+
+    step = zf.zero3(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+    state = step.init(model)
+    state, metrics = step(state, batch)
+
+This file is the map of the library: everything public is imported here.
+"""
+from . import dist, optim, testing
+from .grad import apply, grad, value_and_grad
+from .state import State, gather_params, memory_report
+from .step import Step, eval_step, train_step
+from .tree import Params
+from .zero import zero1, zero2, zero3
+
+__all__ = [
+    "State", "Step", "Params", "apply", "dist", "eval_step", "gather_params", "grad",
+    "memory_report", "optim", "testing", "train_step", "value_and_grad", "zero1", "zero2", "zero3",
+]

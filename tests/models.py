@@ -1,0 +1,152 @@
+"""Small models covering the edge cases of DESIGN.md §3, and batches for them."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        # No qkv bias: the key bias has an exactly-zero true gradient (softmax is shift
+        # invariant), so its gradient is rounding noise that Adam amplifies to +-lr.
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TiedGPT(nn.Module):
+    """GPT-like, with the LM head tied to the token embedding."""
+
+    def __init__(self, vocab: int = 13, d: int = 8, layers: int = 2, seq: int = 6):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class Scale(nn.Module):
+    """A unit of one element: smaller than any world size above 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([1.1]))
+
+    def forward(self, x):
+        return x * self.s
+
+
+class OddMLP(nn.Module):
+    """Widths whose parameter counts are not divisible by 2 or 3, and a 1-element unit."""
+
+    def __init__(self, widths=(5, 7, 3)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.layers.insert(1, Scale())
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class FrozenBN(nn.Module):
+    """A frozen parameter, a fixed buffer and BatchNorm running statistics."""
+
+    def __init__(self, d: int = 6):
+        super().__init__()
+        # Biases in front of BatchNorm have an exactly-zero true gradient (BN removes
+        # constants); rounding noise there is amplified by Adam, so leave them out.
+        self.inp = nn.Linear(4, d, bias=False)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, d, bias=False), nn.BatchNorm1d(d), nn.ReLU()) for _ in range(2)
+        )
+        self.blocks[0][0].weight.requires_grad_(False)
+        self.out = nn.Linear(d, 2)
+        self.register_buffer("shift", torch.linspace(-1, 1, d))
+
+    def forward(self, x):
+        x = self.inp(x) + self.shift
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class NoList(nn.Module):
+    """No ModuleList at all: everything lands in the root unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 9), nn.Tanh(), nn.Linear(9, 2))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class DeepMLP(nn.Module):
+    """Residual MLP of drawn width and depth, for property-based tests."""
+
+    def __init__(self, d_in: int, width: int, depth: int, d_out: int):
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(depth))
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.out(x)
+
+
+MODELS = {"gpt": TiedGPT, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP}
+
+
+def build(name: str, seed: int = 0, **kw) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name](**kw)
+
+
+def batch(name: str, model: nn.Module, step: int, size: int, seed: int = 0):
+    """The global batch of ``size`` examples for ``step``: (inputs, targets)."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    if name == "gpt":
+        vocab, seq = model.tok.num_embeddings, model.pos.shape[0]
+        tokens = torch.randint(0, vocab, (size, seq + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    d_in = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
+    d_out = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
+    return torch.randn(size, d_in, generator=g), torch.randn(size, d_out, generator=g)
+
+
+def loss(name: str, logits, targets):
+    if name == "gpt":
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.mse_loss(logits, targets)
+
+
+def local(b, rank: int, world: int):
+    """This rank's slice of a global batch."""
+    n = b[0].shape[0] // world
+    return tuple(t[rank * n : (rank + 1) * n] for t in b)

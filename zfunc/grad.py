@@ -1,0 +1,242 @@
+"""Running a model on parameters, and differentiating through it.
+
+``apply(model, params, ...)`` runs ``model`` functionally. Given the lazy
+``ParamView`` that ``value_and_grad`` hands to ``loss_fn``, each unit is
+materialized just before its module runs and released right after, so at
+ZeRO-3 only a unit or two is ever whole. Given a plain dict it is
+``torch.func.functional_call``.
+
+``value_and_grad`` runs on ``torch.autograd.grad`` over the leaves rather than
+``torch.func.grad``: the latter refuses saved-tensor hooks and in-place
+collectives in a custom backward (DESIGN.md §4).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .materialize import Tracker, Units
+from .pytree import tree_flatten, tree_unflatten
+from .tree import ModelSpec, Params, ParamsSpec
+
+
+class ParamView(Mapping):
+    """``name -> Tensor`` keyed like ``model.named_parameters()``; units materialize on access.
+
+    A unit touched outside ``apply`` (a tied head, a custom loss reading a
+    weight) stays materialized until ``loss_fn`` returns.
+    """
+
+    def __init__(self, spec: ModelSpec, trainable: Units, frozen: Units | None, buffers: Mapping[str, torch.Tensor]):
+        self.spec = spec
+        self._groups = {True: trainable, False: frozen}
+        self.buffers = dict(buffers)
+        self._scopes: list[list[tuple[Units, int]]] = [[]]
+        self._checked: set[int] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            unit, trainable = self.spec.owner_of(name)
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r} in this model") from None
+        units = self._groups[trainable]
+        views = units.acquire(unit)
+        self._scopes[-1].append((units, unit))
+        return views[self.spec.canonical_name(name)]
+
+    def __iter__(self):
+        return iter(self.spec.parameter_names)
+
+    def __len__(self) -> int:
+        return len(self.spec.parameter_names)
+
+    def open_scope(self) -> None:
+        self._scopes.append([])
+
+    def close_scope(self) -> None:
+        for units, unit in self._scopes.pop():
+            units.release(unit)
+
+    def close(self) -> None:
+        while len(self._scopes) > 1:
+            self.close_scope()
+        self.close_scope()
+        self._scopes = [[]]
+
+    def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if id(model) not in self._checked:
+            self.spec.check_model(model)
+            self._checked.add(id(model))
+        handles = []
+        root = None
+        for unit in self.spec.units:
+            if unit.name == "":
+                root = unit
+                continue
+            module = model.get_submodule(unit.name)
+            swap = _UnitSwap(self, model, unit.located)
+            handles.append(module.register_forward_pre_hook(swap.enter))
+            handles.append(module.register_forward_hook(swap.exit, always_call=True))
+        self.open_scope()
+        try:
+            tensors = {name: self[name] for name in (root.located if root else ())}
+            tensors.update(self.buffers)
+            return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
+        finally:
+            self.close_scope()
+            for h in handles:
+                h.remove()
+
+
+class _UnitSwap:
+    """Forward hooks that put a unit's materialized tensors into its modules, then take them out."""
+
+    def __init__(self, view: ParamView, model: nn.Module, names: tuple[str, ...]):
+        self.view = view
+        self.slots = []
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            self.slots.append((name, model.get_submodule(owner), attr))
+        self.saved: list[list] = []
+
+    def enter(self, module, args):
+        self.view.open_scope()
+        old = []
+        for name, mod, attr in self.slots:
+            old.append(mod._parameters[attr])
+            mod._parameters[attr] = self.view[name]
+        self.saved.append(old)
+
+    def exit(self, module, args, output):
+        for (_, mod, attr), prev in zip(self.slots, self.saved.pop()):
+            mod._parameters[attr] = prev
+        self.view.close_scope()
+
+
+def apply(model: nn.Module, params: Mapping[str, torch.Tensor], *args, **kwargs) -> Any:
+    """Run ``model(*args, **kwargs)`` on ``params`` instead of its own parameters.
+
+    ``params`` is keyed like ``model.named_parameters()``; tied weights need
+    only their first name. Buffers come from ``params`` if present, else from
+    the model.
+    """
+    if isinstance(params, ParamView):
+        return params.run(model, args, kwargs)
+    return functional_call(model, dict(params), args, kwargs, strict=False)
+
+
+def _split(out, has_aux: bool):
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("with has_aux=True, loss_fn must return a pair (loss, aux)")
+        loss, aux = out
+    else:
+        if isinstance(out, tuple):
+            raise TypeError("loss_fn returned a tuple; pass has_aux=True if it returns (loss, aux)")
+        loss, aux = out, None
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
+                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    return loss.reshape(()), aux
+
+
+def _describe(batch) -> str:
+    leaves, _ = tree_flatten(batch)
+    return ", ".join(
+        f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in leaves
+    )
+
+
+def _call(loss_fn, params, batch):
+    try:
+        return loss_fn(params, batch)
+    except (RuntimeError, ValueError, IndexError) as e:
+        raise type(e)(
+            f"loss_fn failed on a batch of [{_describe(batch)}]: {e}\n"
+            "Check that the batch matches what the model expects (shapes, dtypes, index ranges)."
+        ) from e
+
+
+def _grad_spec(spec: ParamsSpec) -> ParamsSpec:
+    sharded = tuple(s or p.grads_sharded for s, p in zip(spec.sharded, spec.placements))
+    return ParamsSpec(spec.model, spec.placements, sharded, spec.frozen, spec.group)
+
+
+def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
+    """``value_and_grad`` that also returns the peak bytes of units materialized at once."""
+
+    def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None):
+        if not isinstance(params, Params):
+            return (*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
+        tracker = Tracker()
+        trainable = Units(params, tracker, differentiable=True)
+        leaves = trainable.anchors
+        frozen_units = Units(frozen, tracker) if frozen is not None else None
+        view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
+        try:
+            with tracker.hooks():
+                try:
+                    out = _call(loss_fn, view, batch)
+                finally:
+                    view.close()
+            loss, aux = _split(out, has_aux)
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        finally:
+            peak = tracker.peak
+            tracker.close()
+        spec = _grad_spec(params.spec)
+        grads = [
+            g if g is not None else torch.zeros(spec.segment(i).padded // (_world(spec) if spec.sharded[i] else 1),
+                                                dtype=leaf.dtype, device=leaf.device)
+            for i, (g, leaf) in enumerate(zip(grads, leaves))
+        ]
+        return loss.detach(), aux, Params(spec, grads), peak
+
+    return run
+
+
+def _world(spec: ParamsSpec) -> int:
+    return spec.model.world
+
+
+def _plain_value_and_grad(loss_fn, has_aux, params, batch):
+    leaves, treedef = tree_flatten(params)
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    loss, aux = _split(_call(loss_fn, tree_unflatten(treedef, leaves), batch), has_aux)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
+    return loss.detach(), aux, tree_unflatten(treedef, grads)
+
+
+def value_and_grad(loss_fn: Callable, has_aux: bool = False):
+    """``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``) to ``(params, batch) -> (value, grads)``.
+
+    ``params`` is a pytree of tensors or a zfunc ``Params`` (``state.params``);
+    gradients come back in the same representation (sharded leaves give
+    sharded gradients, averaged over ranks). ``value`` is this rank's loss;
+    with ``has_aux`` it is ``(loss, aux)``. Keyword ``frozen=`` and
+    ``buffers=`` pass the state's frozen parameters and buffers.
+    """
+    inner = value_and_grad_with_stats(loss_fn, has_aux)
+
+    def run(params, batch, **kw):
+        loss, aux, grads, _ = inner(params, batch, **kw)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return run
+
+
+def grad(loss_fn: Callable, has_aux: bool = False):
+    """Like ``value_and_grad`` but returns only the gradients (and aux with ``has_aux``)."""
+    inner = value_and_grad_with_stats(loss_fn, has_aux)
+
+    def run(params, batch, **kw):
+        _, aux, grads, _ = inner(params, batch, **kw)
+        return (grads, aux) if has_aux else grads
+
+    return run

@@ -1,0 +1,321 @@
+"""Units, flat layouts and the sharded-parameter pytree.
+
+A model's parameters are grouped into *units* (by default each child of every
+``nn.ModuleList``, plus a root unit for the rest). Each unit is one flat 1-D
+buffer with a static layout: which named parameters it holds, their shapes and
+offsets, padded to a multiple of the world size so it splits evenly. Frozen
+parameters go to a second flat buffer of the same unit, so they never get a
+gradient or optimizer state. Tied parameters are stored once, in the unit of
+their first name.
+
+``Params`` is the pytree node holding one tensor per unit. Its static part
+(``ParamsSpec``) records, per unit, whether the tensor held is the full buffer
+or this rank's shard; the leaves are plain tensors, so optimizers just
+``tree_map`` over them.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from . import dist
+from .pytree import register_node
+
+UnitPolicy = "None | Sequence[str] | Callable[[str, nn.Module], bool]"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter inside a unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A flat buffer's layout: its entries, length and padded length."""
+
+    entries: tuple[Entry, ...]
+    dtype: torch.dtype
+    numel: int
+    padded: int
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of parameters materialized together: one module's subtree."""
+
+    name: str  # module path; "" is the root unit
+    trainable: Segment
+    frozen: Segment
+    located: tuple[str, ...]  # every parameter name (aliases included) living in this unit's modules
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The static description of a model's parameters, shared by all its trees."""
+
+    units: tuple[Unit, ...]
+    owner: tuple[tuple[str, tuple[int, bool]], ...]  # name (aliases too) -> (unit, trainable)
+    canonical: tuple[tuple[str, str], ...]  # alias -> first name
+    buffers: tuple[str, ...]
+    world: int
+
+    def owner_of(self, name: str) -> tuple[int, bool]:
+        return self._owner[name]
+
+    def canonical_name(self, name: str) -> str:
+        return self._canonical.get(name, name)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_owner", dict(self.owner))
+        object.__setattr__(self, "_canonical", dict(self.canonical))
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.owner)
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise if ``model`` is not the model this spec was built from."""
+        names = tuple(n for n, _ in model.named_parameters(remove_duplicate=False))
+        if names != self.parameter_names:
+            ours, theirs = set(self.parameter_names), set(names)
+            missing = sorted(ours - theirs)[:3]
+            extra = sorted(theirs - ours)[:3]
+            raise ValueError(
+                "this state was built for a different model: "
+                f"parameters the state has but the model lacks: {missing or 'none'}; "
+                f"parameters the model has but the state lacks: {extra or 'none'}. "
+                "Pass the model the state was initialized from."
+            )
+        for name, p in model.named_parameters():
+            unit, trainable = self.owner_of(name)
+            seg = self.units[unit].trainable if trainable else self.units[unit].frozen
+            entry = next(e for e in seg.entries if e.name == name)
+            if tuple(p.shape) != entry.shape:
+                raise ValueError(
+                    f"this state was built for a different model: parameter {name!r} has shape "
+                    f"{tuple(p.shape)} in the model but {entry.shape} in the state"
+                )
+
+
+def _unit_modules(model: nn.Module, units) -> list[str]:
+    """Module paths that become units, in module order (the root is implicit)."""
+    modules = dict(model.named_modules())
+    if units is None:
+        return [
+            f"{name}.{child}" if name else child
+            for name, mod in modules.items()
+            if isinstance(mod, nn.ModuleList)
+            for child, _ in mod.named_children()
+        ]
+    if callable(units):
+        return [name for name, mod in modules.items() if name and units(name, mod)]
+    if isinstance(units, str):
+        raise TypeError("units must be a list of module names, a predicate, or None; got a string")
+    wanted = list(units)
+    for name in wanted:
+        if name not in modules or name == "":
+            near = difflib.get_close_matches(name, [m for m in modules if m], n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"unit policy names module {name!r}, which the model does not have.{hint}")
+    return [name for name in modules if name in set(wanted)]
+
+
+def _location(param_name: str, unit_paths: Sequence[str]) -> int:
+    """Index (1-based; 0 is root) of the deepest unit whose module holds ``param_name``."""
+    best, depth = 0, -1
+    for i, path in enumerate(unit_paths, start=1):
+        if param_name.startswith(path + ".") and path.count(".") > depth:
+            best, depth = i, path.count(".")
+    return best
+
+
+def _segment(params: list[tuple[str, torch.Tensor]], world: int, unit_name: str) -> Segment:
+    dtypes = {p.dtype for _, p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"unit {unit_name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+            "cast the model to one dtype first (mixed precision is a transform, not a model dtype)"
+        )
+    dtype = dtypes.pop() if dtypes else torch.float32
+    entries, offset = [], 0
+    for name, p in params:
+        entries.append(Entry(name, tuple(p.shape), offset))
+        offset += p.numel()
+    padded = -(-offset // world) * world if offset else 0
+    return Segment(tuple(entries), dtype, offset, padded)
+
+
+def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
+    """Group ``model``'s parameters into units and lay each unit out flat."""
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ValueError(
+                f"parameter {name!r} is on the meta device: this model's storage was already taken "
+                "by Step.init. Build a fresh model, or load weights with zf.gather_params."
+            )
+    paths = _unit_modules(model, units)
+    first_name: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    located: list[list[str]] = [[] for _ in range(len(paths) + 1)]
+    members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(len(paths) + 1)]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where = _location(name, paths)
+        located[where].append(name)
+        if id(p) in first_name:
+            canonical[name] = first_name[id(p)]
+            continue
+        first_name[id(p)] = name
+        members[where].append((name, p))
+    built, owner_of_first = [], {}
+    for i, path in enumerate([""] + paths):
+        trainable = [(n, p) for n, p in members[i] if p.requires_grad]
+        frozen = [(n, p) for n, p in members[i] if not p.requires_grad]
+        for n, p in members[i]:
+            owner_of_first[n] = (len(built), p.requires_grad)
+        if members[i] or located[i]:
+            built.append(
+                Unit(path, _segment(trainable, world, path), _segment(frozen, world, path), tuple(located[i]))
+            )
+    owner = tuple(
+        (name, owner_of_first[canonical.get(name, name)])
+        for name, _ in model.named_parameters(remove_duplicate=False)
+    )
+    buffers = tuple(name for name, _ in model.named_buffers())
+    return ModelSpec(tuple(built), owner, tuple(canonical.items()), buffers, world)
+
+
+def flatten_segment(model: nn.Module, seg: Segment) -> torch.Tensor:
+    """Copy ``model``'s parameters of ``seg`` into one new zero-padded flat buffer."""
+    named = dict(model.named_parameters())
+    flat = torch.zeros(seg.padded, dtype=seg.dtype, device=_device_of(model))
+    for e in seg.entries:
+        flat[e.offset : e.offset + e.numel].copy_(named[e.name].detach().reshape(-1))
+    return flat
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------
+# Placement and the Params pytree node.
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one unit is split across ranks (see DESIGN.md §2).
+
+    ``params_sharded``: each rank keeps only its slice of the parameters
+    (stage 3). ``grads_sharded``: gradients are reduce-scattered rather than
+    all-reduced (stages 2 and 3). ``opt_sharded``: optimizer state covers only
+    this rank's slice (stages 1-3).
+    """
+
+    params_sharded: bool = False
+    grads_sharded: bool = False
+    opt_sharded: bool = False
+
+
+@dataclass(frozen=True)
+class ParamsSpec:
+    """Static half of a ``Params`` node: model layout, placement, what each leaf holds."""
+
+    model: ModelSpec
+    placements: tuple[Placement, ...]
+    sharded: tuple[bool, ...]  # per unit: does the leaf hold this rank's shard (else the full buffer)
+    frozen: bool  # the frozen segments rather than the trainable ones
+    group: object = None
+
+    def segment(self, unit: int) -> Segment:
+        u = self.model.units[unit]
+        return u.frozen if self.frozen else u.trainable
+
+
+class Params:
+    """One tensor per unit: a full flat buffer or this rank's shard of it.
+
+    A pytree node (optree namespace ``zfunc`` and torch's pytree); its leaves
+    are the tensors, its static data the ``ParamsSpec``.
+    """
+
+    __slots__ = ("spec", "leaves")
+
+    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor]):
+        self.spec = spec
+        self.leaves = tuple(leaves)
+
+    def __repr__(self) -> str:
+        units = ", ".join(
+            f"{u.name or '<root>'}:{'shard' if s else 'full'}[{t.numel()}]"
+            for u, s, t in zip(self.spec.model.units, self.spec.sharded, self.leaves)
+        )
+        return f"Params({units})"
+
+    def with_leaves(self, leaves: Iterable[torch.Tensor]) -> "Params":
+        return Params(self.spec, leaves)
+
+    @property
+    def group(self):
+        return self.spec.group
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.leaves)
+
+    def sum_of_squares(self) -> torch.Tensor:
+        """Whole-model sum of squares: shards are summed across the group."""
+        shard = torch.zeros((), dtype=torch.float32)
+        full = torch.zeros((), dtype=torch.float32)
+        for t, sharded in zip(self.leaves, self.spec.sharded):
+            part = t.detach().float().pow(2).sum().cpu() if t.numel() else torch.zeros(())
+            if sharded:
+                shard += part
+            else:
+                full += part
+        if any(self.spec.sharded):
+            dist.all_reduce_sum(shard, self.spec.group)
+        return shard + full
+
+    def local(self) -> "Params":
+        """The part of each unit this rank's optimizer updates.
+
+        Units whose optimizer state is sharded but whose leaf holds the full
+        buffer are sliced (a view: updating it updates the full buffer).
+        """
+        r, w = dist.rank(self.group), dist.world_size(self.group)
+        leaves, sharded = [], []
+        for t, held_shard, place in zip(self.leaves, self.spec.sharded, self.spec.placements):
+            if place.opt_sharded and not held_shard:
+                n = t.numel() // w
+                leaves.append(t[r * n : (r + 1) * n])
+                sharded.append(True)
+            else:
+                leaves.append(t)
+                sharded.append(held_shard)
+        return Params(replace(self.spec, sharded=tuple(sharded)), leaves)
+
+    def from_local(self, local: "Params") -> "Params":
+        """Inverse of ``local``: all-gather slices back into full buffers where needed."""
+        leaves = []
+        for t, lt, held_shard, lheld in zip(self.leaves, local.leaves, self.spec.sharded, local.spec.sharded):
+            leaves.append(dist.all_gather(lt, self.group) if lheld and not held_shard else lt)
+        return Params(self.spec, leaves)
+
+
+register_node(Params, lambda p: (p.leaves, p.spec), lambda spec, leaves: Params(spec, leaves))
