@@ -1,0 +1,478 @@
+"""Asynchronous file I/O between CPU tensors and files, for NVMe swapping.
+
+``AsyncIO`` queues reads and writes of whole tensors (or byte slices of them:
+``t.view(torch.uint8)[a:b]``) at byte offsets in files and returns at once;
+``wait()`` blocks until they are done and raises if any failed, naming the
+file, the offset and the cause. The configuration keys are DeepSpeed's
+``aio`` section with the same meanings:
+
+* ``block_size``: bytes per request handed to the kernel;
+* ``queue_depth``: requests in flight per thread;
+* ``thread_count``: threads a large transfer is split across;
+* ``single_submit``: submit requests one by one instead of in batches;
+* ``overlap_events``: keep the queue full (submit as requests finish) rather
+  than submit a batch and wait for all of it.
+
+Back ends, fastest first: ``io_uring`` (liburing), ``libaio``, ``threads``
+(a pool doing pread/pwrite), each a C++ extension from ``csrc/aio`` compiled
+when its headers and library exist, and ``python`` (a thread pool in plain
+Python) which always works. ``available_backends()`` lists what runs here.
+
+Page-aligned parts of a transfer use O_DIRECT (bypassing the page cache);
+unaligned heads and tails, and buffers whose address does not line up with the
+file offset, go through ordinary buffered I/O, so any size and offset works.
+``aligned_empty`` allocates tensors that take the fast path throughout.
+
+A write that must never leave a complete-looking file behind when it fails
+goes through ``write_atomic`` (or ``write_file_atomic``): the data goes to
+``path + ".partial"``, which is fsynced and renamed to ``path`` only when every
+block succeeded, and removed otherwise.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import math
+import os
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from . import builder
+
+__all__ = [
+    "ALIGNMENT", "BACKENDS", "AsyncIO", "aligned_empty", "available_backends",
+    "backend_status", "check_free_space", "write_file_atomic",
+]
+
+ALIGNMENT = 4096
+BACKENDS = ("io_uring", "libaio", "threads", "python")
+
+# backend -> (op name for the builder, engine source, builder keywords)
+_NATIVE = {
+    "io_uring": ("aio_uring", "aio/engine_uring.cpp",
+                 dict(extra_ldflags=["-luring"], required_headers=["liburing.h"],
+                      required_libs=["uring"])),
+    "libaio": ("aio_libaio", "aio/engine_libaio.cpp",
+               dict(extra_ldflags=["-laio"], required_headers=["libaio.h"],
+                    required_libs=["aio"])),
+    "threads": ("aio_threads", "aio/engine_threads.cpp", dict(extra_ldflags=["-pthread"])),
+}
+
+_lock = threading.Lock()
+_status: dict[str, tuple[object, str]] = {}  # backend -> (module or None, reason)
+_graveyard: list[torch.Tensor] = []  # buffers a broken kernel queue may still touch
+
+
+def _native(backend: str):
+    """The compiled module for a native back end, or None (reason in backend_status)."""
+    with _lock:
+        if backend not in _status:
+            op, engine, kw = _NATIVE[backend]
+            module = builder.load(op, ["aio/aio_handle.cpp", engine], **kw)
+            reason = "built"
+            if module is None:
+                row = next((r for r in builder.report() if r["name"] == op), None)
+                reason = row["reason"] if row else "not built"
+            else:
+                why = module.probe()
+                if why:
+                    module, reason = None, f"built, but does not run here: {why}"
+            _status[backend] = (module, reason)
+        return _status[backend][0]
+
+
+def available_backends() -> list[str]:
+    """Back ends that work on this machine, fastest first; always ends with "python"."""
+    return [b for b in BACKENDS if b == "python" or _native(b) is not None]
+
+
+def backend_status() -> dict[str, str]:
+    """For each back end, "built" or why it is not available."""
+    available_backends()
+    out = {b: _status[b][1] for b in _NATIVE}
+    out["python"] = "always available"
+    return out
+
+
+# ------------------------------------------------------------------ buffers
+
+def aligned_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, *,
+                  pin_memory: bool | None = None) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on a 4096-byte boundary.
+
+    ``shape`` is as for ``torch.empty`` (with the default uint8, an int is a
+    byte count). Over-allocates by one page and slices. Pinned (page-locked)
+    when CUDA is available, unless ``pin_memory`` says otherwise.
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = (-raw.data_ptr()) % ALIGNMENT
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+def _memory(tensor: torch.Tensor) -> tuple[int, int]:
+    """(address, nbytes) of a tensor's data, which must be CPU and contiguous."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"async file I/O needs a CPU tensor, got one on {tensor.device}; "
+                         "copy it to a (pinned) CPU buffer first")
+    if tensor.layout != torch.strided or not tensor.is_contiguous():
+        raise ValueError("async file I/O needs a contiguous tensor; call .contiguous() "
+                         "or use a byte slice of a contiguous buffer")
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+# --------------------------------------------------------------- free space
+
+def check_free_space(path: str | os.PathLike, nbytes: int) -> None:
+    """Raise OSError(ENOSPC) now if the file system holding ``path`` has fewer
+    than ``nbytes`` bytes free for this user; FileNotFoundError if the
+    directory ``path`` would live in does not exist."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(_errno.ENOENT, f"directory '{directory}' does not exist",
+                                path) from None
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(_errno.ENOSPC,
+                      f"No space left on device: writing {nbytes} bytes needs "
+                      f"{nbytes - free} more than the {free} bytes free in '{directory}'",
+                      path)
+
+
+def _growth(path: str, offset: int, nbytes: int) -> int:
+    """How many bytes writing [offset, offset + nbytes) adds to the file."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0
+    return max(0, offset + nbytes - size)
+
+
+# ---------------------------------------------------------- the Python back end
+
+class _PyRequest:
+    __slots__ = ("write", "atomic", "fsync", "path", "io_path", "fd", "nbytes", "offset",
+                 "futures")
+
+    def __init__(self, write, atomic, fsync, path, nbytes, offset):
+        self.write, self.atomic, self.fsync = write, atomic, fsync
+        self.path, self.nbytes, self.offset = path, nbytes, offset
+        self.io_path = path + ".partial" if atomic else path
+        self.fd = -1
+        self.futures: list[Future] = []
+
+
+class _Failure(Exception):
+    def __init__(self, err: int, what: str, eof: bool = False):
+        super().__init__(what)
+        self.err, self.what, self.eof = err, what, eof
+
+
+def _describe(write: bool, nbytes: int, offset: int) -> str:
+    return f"{'writing' if write else 'reading'} {nbytes} bytes at offset {offset}"
+
+
+class _PythonHandle:
+    """Same interface as the compiled ``Handle``: buffered pread/pwrite of
+    ``block_size`` pieces on a pool of ``thread_count * queue_depth`` threads."""
+
+    backend = "python"
+
+    def __init__(self, block_size, queue_depth, thread_count, single_submit, overlap_events):
+        self.block_size, self.queue_depth, self.thread_count = block_size, queue_depth, thread_count
+        self.single_submit, self.overlap_events = single_submit, overlap_events
+        self._pool = ThreadPoolExecutor(max_workers=min(64, queue_depth * thread_count),
+                                        thread_name_prefix="zfunc-aio")
+        self._requests: list[_PyRequest] = []
+        self._inject: tuple[int, int] | None = None
+
+    def _inject_error(self, err: int, after_bytes: int = 0) -> None:
+        self._inject = (err, after_bytes)
+
+    def broken(self) -> bool:
+        return False
+
+    def pread(self, addr, nbytes, path, offset=0):
+        self._submit(False, addr, nbytes, path, offset, False, False)
+
+    def pwrite(self, addr, nbytes, path, offset=0, atomic=False, fsync=False):
+        self._submit(True, addr, nbytes, path, offset, atomic, fsync)
+
+    def _submit(self, write, addr, nbytes, path, offset, atomic, fsync):
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        req = _PyRequest(write, write and atomic, write and fsync, path, nbytes, offset)
+        how = "writing" if write else "reading"
+        try:
+            if write:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if req.atomic else 0)
+                req.fd = os.open(req.io_path, flags, 0o644)
+            else:
+                req.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            msg = f"{os.strerror(e.errno)} while opening for {how} ({_describe(write, nbytes, offset)})"
+            parent = os.path.dirname(path)
+            if e.errno == _errno.ENOENT and write and parent and not os.path.isdir(parent):
+                msg += f"; directory '{parent}' does not exist"
+            if req.atomic:
+                msg += f"; temporary '{req.io_path}'"
+            raise OSError(e.errno, msg, path) from None
+        if not write:
+            size = os.fstat(req.fd).st_size
+            if nbytes and offset + nbytes > size:
+                os.close(req.fd)
+                raise EOFError(f"short read from '{path}': cannot read {nbytes} bytes at "
+                               f"offset {offset}, the file has only {size} bytes")
+        inject, self._inject = self._inject, None
+        view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") if nbytes else None
+        for start in range(0, nbytes, self.block_size):
+            n = min(self.block_size, nbytes - start)
+            fail = inject[0] if inject and start + n > inject[1] else 0
+            req.futures.append(self._pool.submit(
+                self._transfer, req.fd, write, view[start:start + n], offset + start, fail))
+        self._requests.append(req)
+
+    @staticmethod
+    def _transfer(fd, write, view, offset, inject_errno):
+        done, n = 0, len(view)
+        try:
+            if inject_errno:
+                raise OSError(inject_errno, os.strerror(inject_errno))
+            while done < n:
+                k = (os.pwrite(fd, view[done:], offset + done) if write
+                     else os.preadv(fd, [view[done:]], offset + done))
+                if k == 0:
+                    if write:
+                        raise OSError(_errno.EIO, os.strerror(_errno.EIO))
+                    raise _Failure(0, f"got {done} of {n} bytes at offset {offset} (end of file)",
+                                   eof=True)
+                done += k
+        except OSError as e:
+            raise _Failure(e.errno or _errno.EIO,
+                           f"{os.strerror(e.errno or _errno.EIO)} while "
+                           f"{_describe(write, n, offset)}") from None
+
+    def poll(self) -> int:
+        return sum(1 for r in self._requests if not all(f.done() for f in r.futures))
+
+    def wait(self) -> int:
+        requests, self._requests = self._requests, []
+        failures: list[BaseException] = []
+        for req in requests:
+            failure = None
+            for f in req.futures:
+                exc = f.exception()
+                if exc is not None and failure is None:
+                    failure = exc
+            try:
+                failure = self._finish(req, failure)
+            finally:
+                os.close(req.fd)
+            if failure is not None:
+                failures.append(failure)
+        if failures:
+            first = failures[0]
+            if len(failures) > 1:
+                more = f" (and {len(failures) - 1} more failed requests)"
+                first = (EOFError(first.args[0] + more) if isinstance(first, EOFError)
+                         else OSError(first.errno, first.strerror + more, first.filename))
+            raise first
+        return len(requests)
+
+    @staticmethod
+    def _finish(req: _PyRequest, failure: BaseException | None) -> BaseException | None:
+        """Commit or roll back an atomic write; turn a failure into the exception to raise."""
+        if failure is not None and not isinstance(failure, _Failure):
+            failure = _Failure(_errno.EIO, f"{type(failure).__name__}: {failure} while "
+                                           f"{_describe(req.write, req.nbytes, req.offset)}")
+        if failure is None and req.write and (req.atomic or req.fsync):
+            try:
+                os.fsync(req.fd)
+            except OSError as e:
+                failure = _Failure(e.errno, f"{e.strerror} while fsync after "
+                                            f"{_describe(True, req.nbytes, req.offset)}")
+        if req.atomic:
+            if failure is None:
+                try:
+                    os.rename(req.io_path, req.path)
+                    dfd = os.open(os.path.dirname(os.path.abspath(req.path)), os.O_RDONLY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+                except OSError as e:
+                    failure = _Failure(e.errno, f"{e.strerror} while renaming "
+                                                f"'{req.io_path}' to '{req.path}'")
+            if failure is not None:
+                try:
+                    os.unlink(req.io_path)
+                except FileNotFoundError:
+                    pass
+        if failure is None:
+            return None
+        if failure.eof:
+            return EOFError(f"short read from '{req.path}': {failure.what}")
+        msg = failure.what
+        if req.atomic:
+            msg += (f" of temporary '{req.io_path}'; the temporary was removed and "
+                    f"'{req.path}' was not written")
+        return OSError(failure.err, msg, req.path)
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+
+# -------------------------------------------------------------------- API
+
+class AsyncIO:
+    """Queue tensor reads and writes against files; ``wait()`` for them.
+
+    ``backend`` is "auto" (the first of ``available_backends()``) or one of
+    ``BACKENDS``; asking for one that did not build here raises.
+    ``check_space`` checks free space (statvfs) before each write that grows a
+    file, so a write that cannot fit fails before it starts. The tensors
+    passed in are kept alive until ``wait()`` returns; do not touch them
+    before then.
+    """
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, thread_count: int = 1,
+                 single_submit: bool = False, overlap_events: bool = True,
+                 backend: str = "auto", check_space: bool = True):
+        for key, value in (("block_size", block_size), ("queue_depth", queue_depth),
+                           ("thread_count", thread_count)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive int, got {value!r}")
+        if block_size % ALIGNMENT:
+            raise ValueError(f"block_size must be a multiple of {ALIGNMENT}, got {block_size} "
+                             f"(nearest: {max(1, round(block_size / ALIGNMENT)) * ALIGNMENT})")
+        if backend == "auto":
+            backend = available_backends()[0]
+        elif backend not in BACKENDS:
+            raise ValueError(f"unknown aio backend {backend!r}; choose one of "
+                             f"{', '.join(('auto',) + BACKENDS)}")
+        args = (block_size, queue_depth, thread_count, bool(single_submit), bool(overlap_events))
+        if backend == "python":
+            self._impl = _PythonHandle(*args)
+        else:
+            module = _native(backend)
+            if module is None:
+                raise RuntimeError(f"aio backend {backend!r} is not available here: "
+                                   f"{_status[backend][1]}; available: {available_backends()}")
+            self._impl = module.Handle(*args)
+        self.backend = backend
+        self.block_size, self.queue_depth, self.thread_count = block_size, queue_depth, thread_count
+        self.single_submit, self.overlap_events = bool(single_submit), bool(overlap_events)
+        self.check_space = bool(check_space)
+        self._held: list[torch.Tensor] = []
+        self._growing = 0  # bytes queued writes add, for the free-space check
+
+    def __repr__(self) -> str:
+        return (f"AsyncIO(backend={self.backend!r}, block_size={self.block_size}, "
+                f"queue_depth={self.queue_depth}, thread_count={self.thread_count}, "
+                f"single_submit={self.single_submit}, overlap_events={self.overlap_events})")
+
+    # requests ---------------------------------------------------------------
+
+    def pread(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> None:
+        """Queue a read of ``tensor.nbytes`` bytes at ``offset`` of ``path`` into ``tensor``.
+        Raises at once if the file cannot be opened or is too short."""
+        addr, nbytes = _memory(tensor)
+        self._impl.pread(addr, nbytes, os.fspath(path), offset)
+        self._held.append(tensor)
+
+    def pwrite(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0, *,
+               fsync: bool = False) -> None:
+        """Queue a write of ``tensor`` at ``offset`` of ``path`` (created if missing,
+        never truncated). ``fsync=True`` makes it durable before ``wait()`` returns."""
+        addr, nbytes = _memory(tensor)
+        path = os.fspath(path)
+        growth = _growth(path, offset, nbytes) if self.check_space else 0
+        if growth:
+            check_free_space(path, self._growing + growth)
+        self._impl.pwrite(addr, nbytes, path, offset, False, fsync)
+        self._growing += growth
+        self._held.append(tensor)
+
+    def write_atomic(self, tensor: torch.Tensor, path: str | os.PathLike) -> None:
+        """Queue a write of ``tensor`` as the whole new content of ``path``: written to
+        ``path + ".partial"``, then fsynced and renamed over ``path`` when it all
+        succeeded; removed, leaving ``path`` untouched, when it did not."""
+        addr, nbytes = _memory(tensor)
+        path = os.fspath(path)
+        if self.check_space:
+            check_free_space(path, self._growing + nbytes)
+        self._impl.pwrite(addr, nbytes, path, 0, True, True)
+        self._growing += nbytes
+        self._held.append(tensor)
+
+    # completion -------------------------------------------------------------
+
+    def wait(self) -> int:
+        """Block until every queued request is done; return how many finished.
+        Raises OSError (or EOFError for a short read) naming the file, offset and
+        cause if any failed; the others still completed."""
+        try:
+            return self._impl.wait()
+        finally:
+            self._release()
+
+    def poll(self) -> int:
+        """How many requests are still in flight (0: ``wait()`` will not block)."""
+        return self._impl.poll()
+
+    def _release(self) -> None:
+        if self._impl.broken():
+            _graveyard.extend(self._held)  # the kernel may still write into these
+        self._held.clear()
+        self._growing = 0
+
+    def _inject_error(self, err: int, after_bytes: int = 0) -> None:
+        """Fault injection for tests: the next request fails with ``err`` for every
+        block that goes past its first ``after_bytes`` bytes."""
+        self._impl._inject_error(err, after_bytes)
+
+    def close(self) -> None:
+        """Wait for what is in flight (raising its errors) and release the threads."""
+        impl = getattr(self, "_impl", None)
+        if impl is None:
+            return
+        try:
+            self.wait()
+        finally:
+            if isinstance(impl, _PythonHandle):
+                impl.close()
+            self._impl = None
+
+    def __enter__(self) -> "AsyncIO":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_impl", None) is not None:
+            try:
+                self.close()
+            except Exception as e:  # nobody waited for this error: say so once
+                warnings.warn(f"AsyncIO dropped with a failed request: {e}", RuntimeWarning)
+
+
+def write_file_atomic(path: str | os.PathLike, tensor: torch.Tensor, *, backend: str = "auto",
+                      block_size: int = 1 << 20, queue_depth: int = 8) -> None:
+    """Write ``tensor`` as the whole content of ``path`` so that ``path`` either holds
+    all of it (fsynced) or is left as it was. Blocks until done."""
+    with AsyncIO(block_size=block_size, queue_depth=queue_depth, backend=backend) as aio:
+        aio.write_atomic(tensor, path)
