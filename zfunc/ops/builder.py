@@ -33,6 +33,9 @@ _results: dict[str, dict[str, Any]] = {}
 _modules: dict[str, Any] = {}
 
 
+_NO_CUDA = "CUDA not available to torch"
+
+
 class OpBuildWarning(UserWarning):
     """An op could not be built; zfunc falls back to plain PyTorch."""
 
@@ -125,7 +128,7 @@ def _precheck(name: str, sources: Sequence[str], cflags: Sequence[str],
         import torch
 
         if not torch.cuda.is_available():
-            return "CUDA not available to torch (torch.cuda.is_available() is False)"
+            return _NO_CUDA + " (torch.cuda.is_available() is False)"
         if torch.version.cuda is None:
             return "this torch build has no CUDA support"
         if cpp_extension.CUDA_HOME is None or shutil.which(
@@ -206,7 +209,7 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
                     name=ext,
                     sources=[str(CSRC / s) for s in sources],
                     extra_cflags=cflags,
-                    extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"] if cuda else None,
+                    extra_cuda_cflags=["-O3", "-lineinfo"] if cuda else None,
                     extra_ldflags=ldflags,
                     extra_include_paths=[str(CSRC)],
                     with_cuda=cuda,
@@ -220,7 +223,8 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
             _modules[name] = module
         else:
             row["reason"] = reason or "unknown"
-            if not row["reason"].startswith("disabled"):
+            # Asked-for fallbacks (disabled, no GPU here) are recorded, not announced.
+            if not row["reason"].startswith(("disabled", _NO_CUDA)):
                 warnings.warn(f"zfunc op {name!r} not built, using the PyTorch fallback: "
                               f"{row['reason']}", OpBuildWarning, stacklevel=2)
         _results[name] = row
