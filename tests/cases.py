@@ -12,6 +12,11 @@ from models import batch, build, local, loss
 LR = 1e-3
 
 
+def is_linear(name: str, module: nn.Module) -> bool:
+    """A unit policy: every nn.Linear is a unit."""
+    return isinstance(module, nn.Linear)
+
+
 def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | None = None):
     opt = zf.optim.adamw(LR, weight_decay=0.01)
     if clip is not None:

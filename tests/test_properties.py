@@ -1,0 +1,42 @@
+"""Property-based equivalence: drawn shapes, world sizes, unit policies and stages."""
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cases import is_linear, reference, run_zfunc
+from test_zero_equivalence import assert_close_to
+from workers import workers
+
+
+@st.composite
+def configs(draw):
+    depth = draw(st.integers(0, 4))
+    kw = {"d_in": draw(st.integers(1, 6)), "width": draw(st.integers(1, 9)), "depth": depth,
+          "d_out": draw(st.integers(1, 4))}
+    policy = draw(st.sampled_from(["default", "linears", "list"] if depth else ["default", "linears"]))
+    if policy == "default":
+        units = None
+    elif policy == "linears":
+        units = is_linear
+    else:
+        chosen = draw(st.sets(st.integers(0, depth - 1), min_size=1))
+        units = [f"blocks.{i}" for i in sorted(chosen)] + draw(st.sampled_from([[], ["out"]]))
+    return {
+        "kw": kw,
+        "world": draw(st.sampled_from([1, 2, 3])),
+        "stage": draw(st.integers(0, 3)),
+        "units": units,
+        "threshold": draw(st.sampled_from([0, 0, 12])),
+        "per_rank": draw(st.integers(1, 3)),
+        "clip": draw(st.sampled_from([None, None, 0.1])),
+    }
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs())
+def test_any_composition_matches_pytorch(c):
+    world = c["world"]
+    expected = reference("deep_mlp", c["kw"], steps=3, batch_size=c["per_rank"] * world, clip=c["clip"])
+    results = workers(world).run(run_zfunc, "deep_mlp", c["kw"], c["stage"], 3, c["per_rank"], 0,
+                                 c["units"], c["threshold"], c["clip"])
+    for r in results:
+        assert_close_to(r["params"], expected["params"])
