@@ -9,6 +9,9 @@ Environment:
   ``ZFUNC_OPS_DISABLE``  ``1``/``all`` disables every op; a comma list of op
                          names disables those.
   ``CXX``                the C++ compiler (as torch's builder uses it).
+  ``ZFUNC_OPS_ISA``     ``avx2`` or ``none`` caps the vector flags (default: the
+                         widest this CPU has, read from /proc/cpuinfo).
+  ``ZFUNC_OPS_VERBOSE``  ``1`` shows the compiler's output.
   ``TORCH_EXTENSIONS_DIR`` where builds are cached.
 """
 from __future__ import annotations
@@ -55,8 +58,19 @@ def cpu_flags() -> frozenset[str]:
 
 
 def isa_cflags(flags: frozenset[str] | None = None) -> list[str]:
-    """Compiler flags for the widest vector ISA this CPU supports (x86 only)."""
+    """Compiler flags for the widest vector ISA this CPU supports (x86 only).
+
+    ``ZFUNC_OPS_ISA=avx2`` or ``=none`` caps the choice (for a build cache shared
+    by different machines, or to test the portable code paths).
+    """
     flags = cpu_flags() if flags is None else flags
+    cap = os.environ.get("ZFUNC_OPS_ISA", "native").strip().lower()
+    if cap in ("none", "plain", "generic"):
+        return []
+    if cap == "avx2":
+        flags = flags - {"avx512f"}
+    elif cap not in ("", "native", "avx512"):
+        raise ValueError(f"ZFUNC_OPS_ISA={cap!r}: expected native, avx512, avx2 or none")
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         out = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"]
         if "avx512_bf16" in flags:
