@@ -99,3 +99,25 @@ def run_ddp(name: str, kw: dict, steps: int = 3, per_rank: int = 2, seed: int = 
         opt.step()
     return {"params": {k: v.detach().clone() for k, v in model.named_parameters()},
             "buffers": {k: v.clone() for k, v in model.named_buffers()}}
+
+
+def run_research_step(name: str, kw: dict, steps: int = 3, per_rank: int = 2, seed: int = 0) -> dict:
+    """A hand-written step from value_and_grad and an optimizer, on zero3-sharded params."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = build(name, seed, **kw)
+    shape_model = copy.deepcopy(model)
+
+    def loss_fn(params, b):
+        x, y = b
+        return loss(name, zf.apply(model, params, x), y)
+
+    opt = zf.optim.adamw(LR, weight_decay=0.01)
+    state = zf.zero3(zf.train_step(loss_fn, opt)).init(model)
+    params, opt_state = state.params, state.opt_state
+    vg = zf.value_and_grad(loss_fn)
+    for i in range(steps):
+        b = local(batch(name, shape_model, i, per_rank * world, seed), rank, world)
+        value, grads = vg(params, b, frozen=state.frozen, buffers=state.buffers)
+        assert [g.shape for g in grads.leaves] == [p.shape for p in params.leaves]  # sharded like params
+        params, opt_state = opt.update(grads, opt_state, params)
+    return {"params": zf.gather_params(zf.State(params, opt_state, state.frozen, state.buffers, state.plan))}
