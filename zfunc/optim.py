@@ -1,0 +1,383 @@
+"""Optimizers as pairs of functions over pytrees of tensors, in the style of optax.
+
+Two protocols, both NamedTuples of ``(init, update)``:
+
+``GradientTransformation``
+    transforms gradients: ``init(params) -> state`` and
+    ``update(updates, state, params=None) -> (updates, state)``, exactly optax's
+    protocol. Example: :func:`clip_by_global_norm`.
+
+``Optimizer``
+    applies gradients: ``init(params) -> opt_state`` and
+    ``update(grads, opt_state, params) -> (params, opt_state)``. Unlike optax it
+    returns the *new parameters*, so a fused kernel can update them in place.
+    Examples: :func:`adamw`, :func:`adam`, :func:`sgd`. This is what
+    ``zf.train_step(loss_fn, optimizer)`` takes.
+
+:func:`chain` composes any number of GradientTransformations, optionally
+followed by one Optimizer; the result is an Optimizer if the last element is
+one::
+
+    opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine_decay(0.0, 3e-4, 100, 10_000)))
+    opt_state = opt.init(params)
+    params, opt_state = opt.update(grads, opt_state, params)
+
+Donation. ``update`` consumes its tensor arguments, like ``jax.jit`` with
+``donate_argnums``: it may overwrite ``grads``/``updates``, ``opt_state`` and
+``params`` in place and returns the results (often the very same tensors).
+Callers must use only the returned values. A ZeRO library cannot afford a second
+copy of parameters or optimizer state, and a training step owns its gradients.
+
+State is an explicit pytree (a chain's state is the tuple of its members'). The
+optimizers' states hold ``count``, a 0-d int64 CPU tensor (updates applied so
+far; it stays on CPU wherever the rest of the state goes), and trees with the
+structure of ``params`` in fp32 (fp64 for fp64 params), so sharding, offload and
+checkpoints treat them like params. Low-precision params are updated with fp32
+math and fp32 moments, and rounded.
+
+``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
+of updates applied before the current one (0 for the first update), as
+``torch.optim.lr_scheduler.LambdaLR`` counts.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, NamedTuple, Union
+
+import optree
+import torch
+
+from zfunc.ops import cpu_adam
+from zfunc.pytree import NAMESPACE, global_norm, tree_flatten, tree_map
+from zfunc.testing import format_path
+
+PyTree = Any
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+
+
+class GradientTransformation(NamedTuple):
+    """optax's protocol: ``update(updates, state, params=None) -> (updates, state)``."""
+
+    init: Callable[[PyTree], PyTree]
+    update: Callable[..., tuple[PyTree, PyTree]]
+
+
+class Optimizer(NamedTuple):
+    """``update(grads, opt_state, params) -> (params, opt_state)``: returns new params."""
+
+    init: Callable[[PyTree], PyTree]
+    update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+class AdamState(NamedTuple):
+    count: torch.Tensor  # 0-d int64 on CPU: updates applied so far
+    mu: PyTree  # first moments, structured like params
+    nu: PyTree  # second moments, structured like params
+
+
+class SgdState(NamedTuple):
+    count: torch.Tensor  # 0-d int64 on CPU: updates applied so far
+    momentum: PyTree  # momentum buffers structured like params; None without momentum
+
+
+# --------------------------------------------------------------------------- chain
+
+
+def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransformation | Optimizer:
+    """Compose transformations left to right; state is the tuple of their states.
+
+    ``chain(t1, ..., tn)`` is a GradientTransformation when every ``ti`` is one,
+    and an Optimizer when ``tn`` is an Optimizer (``t1..tn-1`` transform the
+    gradients, ``tn`` applies them). An Optimizer anywhere else is an error.
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, (GradientTransformation, Optimizer)):
+            raise TypeError(
+                f"chain() argument {i} is {type(t).__name__}, not a GradientTransformation "
+                "or Optimizer; build it with zfunc.optim (e.g. clip_by_global_norm, adamw)."
+            )
+        if isinstance(t, Optimizer) and i != len(transforms) - 1:
+            raise TypeError(
+                f"chain() argument {i} is an Optimizer (it returns new parameters, not "
+                "updates), so it must come last: chain(clip_by_global_norm(1.0), adamw(1e-3))."
+            )
+    applies = bool(transforms) and isinstance(transforms[-1], Optimizer)
+    grad_tx = transforms[:-1] if applies else transforms
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def transform_grads(updates, state, params):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transformations got a state of "
+                f"{len(state) if isinstance(state, tuple) else type(state).__name__} "
+                "entries; pass the state returned by this chain's init/update."
+            )
+        new_state = []
+        for t, s in zip(grad_tx, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, new_state
+
+    if applies:
+        def update(grads, opt_state, params):
+            grads, new_state = transform_grads(grads, opt_state, params)
+            params, last = transforms[-1].update(grads, opt_state[-1], params)
+            return params, (*new_state, last)
+
+        return Optimizer(init, update)
+
+    def update(updates, state, params=None):
+        updates, new_state = transform_grads(updates, state, params)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+# ------------------------------------------------------------------------ clipping
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale updates by ``min(1, max_norm / (norm + 1e-6))``, as ``clip_grad_norm_`` does.
+
+    The norm is :func:`zfunc.pytree.global_norm`, which covers the whole model
+    when updates are sharded across ranks. Updates are scaled in place.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}")
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        leaves, _ = tree_flatten(updates)
+        if not leaves:
+            return updates, state
+        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
+        by_device = defaultdict(list)
+        for g in leaves:
+            by_device[g.device].append(g)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------- optimizers
+
+
+def adamw(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> Optimizer:
+    """AdamW, the math of ``torch.optim.AdamW``: decay applied to the weights."""
+    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True)
+
+
+def adam(
+    lr: ScalarOrSchedule,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """Adam, the math of ``torch.optim.Adam``: decay added to the gradient (L2)."""
+    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False)
+
+
+def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
+    schedule = _as_schedule(name, lr)
+    beta1, beta2 = betas
+    for label, b in (("betas[0]", beta1), ("betas[1]", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name}: {label} must be in [0, 1), got {b}")
+    if not eps >= 0.0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
+    def init(params):
+        return AdamState(_zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params))
+
+    def update(grads, opt_state, params):
+        p, spec = tree_flatten(params)
+        g = _leaves_like(grads, "grads", p, spec, params)
+        mu = _leaves_like(opt_state.mu, "opt_state.mu", p, spec, params)
+        nu = _leaves_like(opt_state.nu, "opt_state.nu", p, spec, params)
+        step = int(opt_state.count)
+        # One call over every leaf: the kernel takes mixed devices and storage
+        # (bf16 params with fp32 moments, fp16 grads) and does the math in fp32.
+        cpu_adam.adam_update_(
+            p, g, mu, nu, step=step + 1, lr=float(schedule(step)), beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+        )
+        return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu)
+
+    return Optimizer(init, update)
+
+
+def sgd(
+    lr: ScalarOrSchedule,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    dampening: float = 0.0,
+) -> Optimizer:
+    """SGD with optional (Nesterov) momentum, the math of ``torch.optim.SGD``.
+
+    The first update initialises each momentum buffer to the gradient, as torch does.
+    """
+    schedule = _as_schedule("sgd", lr)
+    if not momentum >= 0.0:
+        raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"sgd: weight_decay must be >= 0, got {weight_decay}")
+    if nesterov and (momentum <= 0.0 or dampening != 0.0):
+        raise ValueError(
+            f"sgd: nesterov=True needs momentum > 0 and dampening == 0, got "
+            f"momentum={momentum}, dampening={dampening}"
+        )
+
+    def init(params):
+        bufs = tree_map(_zeros_master, params) if momentum else None
+        return SgdState(_zero_count(), bufs)
+
+    def update(grads, opt_state, params):
+        p, spec = tree_flatten(params)
+        g = _leaves_like(grads, "grads", p, spec, params)
+        step = int(opt_state.count)
+        # Work in the state's dtype (fp32 or wider); low-precision params are
+        # updated in that dtype and rounded back.
+        master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
+        masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
+        d_p = [x if x.dtype == d else x.to(d) for x, d in zip(g, master_dtypes)]
+        if p:
+            if weight_decay:
+                torch._foreach_add_(d_p, masters, alpha=weight_decay)
+            if momentum:
+                bufs = _leaves_like(opt_state.momentum, "opt_state.momentum", p, spec, params)
+                if step == 0:
+                    torch._foreach_copy_(bufs, d_p)
+                else:
+                    torch._foreach_mul_(bufs, momentum)
+                    torch._foreach_add_(bufs, d_p, alpha=1.0 - dampening)
+                if nesterov:
+                    torch._foreach_add_(d_p, bufs, alpha=momentum)
+                else:
+                    d_p = bufs
+            torch._foreach_add_(masters, d_p, alpha=-float(schedule(step)))
+            for x, m in zip(p, masters):
+                if x is not m:
+                    x.copy_(m)
+        return params, SgdState(opt_state.count + 1, opt_state.momentum)
+
+    return Optimizer(init, update)
+
+
+def _zero_count() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _zeros_master(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+
+
+def _leaves_like(tree, what: str, p_leaves, spec, params) -> list[torch.Tensor]:
+    """Leaves of ``tree``, checked to match the parameters leaf for leaf."""
+    leaves, tspec = tree_flatten(tree)
+    if tspec != spec:
+        raise ValueError(
+            f"{what} does not have the structure of params:\n  {what}: {tspec}\n  params: {spec}"
+        )
+    for i, (x, p) in enumerate(zip(leaves, p_leaves)):
+        if x.shape != p.shape or x.device != p.device:
+            accessors, _, _ = optree.tree_flatten_with_accessor(params, namespace=NAMESPACE)
+            raise ValueError(
+                f"{format_path(accessors[i], root=what)} has shape {tuple(x.shape)} on {x.device} "
+                f"but the parameter has shape {tuple(p.shape)} on {p.device}; they must match."
+            )
+    return leaves
+
+
+# ----------------------------------------------------------------------- schedules
+
+
+def _as_schedule(name: str, lr: ScalarOrSchedule) -> Schedule:
+    if callable(lr):
+        return lr
+    if not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"{name}: lr must be a float >= 0 or a schedule step -> float, got {lr!r}")
+    return constant(float(lr))
+
+
+def constant(value: float) -> Schedule:
+    """``step -> value``."""
+    value = float(value)
+    return lambda step: value
+
+
+def linear_schedule(
+    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
+) -> Schedule:
+    """Hold ``init_value`` until ``transition_begin``, move linearly to ``end_value``
+    over ``transition_steps`` steps, then hold ``end_value`` (``LinearLR``)."""
+    if transition_steps <= 0:
+        raise ValueError(f"linear_schedule: transition_steps must be > 0, got {transition_steps}")
+
+    def schedule(step):
+        frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
+        return init_value + (end_value - init_value) * frac
+
+    return schedule
+
+
+def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0) -> Schedule:
+    """Linear from ``init_value`` at step 0 to ``peak_value`` at ``warmup_steps``, then flat."""
+    if warmup_steps <= 0:
+        return constant(peak_value)
+    return linear_schedule(init_value, peak_value, warmup_steps)
+
+
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+    """Half a cosine from ``init_value`` to ``alpha * init_value`` over ``decay_steps``,
+    then flat (``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)``)."""
+    return _cosine("cosine_decay", init_value, alpha * init_value, decay_steps)
+
+
+def warmup_cosine_decay(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
+) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
+    half a cosine down to ``end_value``; ``decay_steps`` counts the warmup too."""
+    if decay_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_cosine_decay: decay_steps ({decay_steps}) counts the warmup and "
+            f"must exceed warmup_steps ({warmup_steps})"
+        )
+    warmup = linear_warmup(peak_value, warmup_steps, init_value)
+    decay = _cosine("warmup_cosine_decay", peak_value, end_value, decay_steps - warmup_steps)
+
+    def schedule(step):
+        return warmup(step) if step < warmup_steps else decay(step - warmup_steps)
+
+    return schedule
+
+
+def _cosine(name: str, start: float, end: float, steps: int) -> Schedule:
+    if steps <= 0:
+        raise ValueError(f"{name}: decay_steps must be > 0, got {steps}")
+
+    def schedule(step):
+        t = min(max(step, 0), steps) / steps
+        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return schedule
