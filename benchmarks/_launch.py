@@ -1,0 +1,39 @@
+"""Run one script as W fresh processes on localhost with torchrun's environment variables.
+
+torchrun would do, but it adds an agent process and its own logging; benchmarks want
+nothing but W workers whose peak RSS is theirs alone, and a clean failure when one dies.
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv, world_size, env=None, timeout=None):
+    """Start `python *argv` on ranks 0..W-1 and wait. If one rank fails or the timeout
+    passes, the others are killed. Returns the exit codes, rank by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = any(p.poll() not in (None, 0) for p in procs)
+        late = deadline is not None and time.monotonic() > deadline
+        if failed or late:
+            if late:
+                print(f"launch: timed out after {timeout} s, killing {argv}", file=sys.stderr)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    return [p.wait() for p in procs]

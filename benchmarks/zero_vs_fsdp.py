@@ -1,0 +1,312 @@
+"""zfunc ZeRO-1/2/3 against torch DDP, torch FSDP2 and (if installed) DeepSpeed, side by side.
+
+    python benchmarks/zero_vs_fsdp.py                  # the anchor's setup, W=2 gloo ranks, 1 thread each
+    python benchmarks/zero_vs_fsdp.py --repeats 3      # modes interleaved 3 times, medians reported
+    python benchmarks/zero_vs_fsdp.py --small          # smoke test, well under a minute
+
+Every mode runs in its own fresh set of W processes, so peak RSS per rank
+(getrusage ru_maxrss) is that mode's alone. All modes train the same model from the
+same initial weights on the same synthetic batches, so they must reach the same
+loss: the table checks that, and says so loudly when they do not.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+
+MODES = {  # key -> description
+    "local": "one process, W threads, global batch",
+    "ddp": "torch DDP",
+    "fsdp2": "torch FSDP2 (fully_shard per block + root)",
+    "zero0": "zfunc, no transform (replicated)",
+    "zero1": "zfunc zero1",
+    "zero2": "zfunc zero2",
+    "zero3": "zfunc zero3",
+    "ds1": "DeepSpeed ZeRO-1",
+    "ds2": "DeepSpeed ZeRO-2",
+    "ds3": "DeepSpeed ZeRO-3",
+}
+
+
+def have_deepspeed():
+    import importlib.util
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=None, help=f"comma-separated, from {','.join(MODES)} "
+                   "(default: ddp,fsdp2,zero1,zero2,zero3, plus ds1,ds2,ds3 when deepspeed is installed)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=512, help="d_model")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--world", type=int, default=2, help="ranks")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--wd", type=float, default=0.01)
+    p.add_argument("--torch-adam", default="fused", choices=["fused", "foreach", "for-loop"],
+                   help="implementation of torch.optim.AdamW for the torch and DeepSpeed modes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="run the whole set of modes this many times, interleaved")
+    p.add_argument("--tolerance", type=float, default=1e-5, help="relative loss difference flagged as a mismatch")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per mode before its processes are killed")
+    p.add_argument("--small", action="store_true", help="tiny model and few steps, for smoke testing")
+    p.add_argument("--json", default=None, help="also write all raw results here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one mode on this rank
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.small:
+        args.layers, args.width, args.heads, args.vocab, args.seq, args.steps, args.warmup = 2, 128, 4, 1024, 64, 5, 2
+    if args.modes is None:
+        args.modes = "ddp,fsdp2,zero1,zero2,zero3" + (",ds1,ds2,ds3" if have_deepspeed() else "")
+    args.modes = args.modes.split(",")
+    for m in args.modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# worker: one mode on one rank
+
+
+ADAM_IMPL = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
+
+
+def torch_adamw(params, args):
+    import torch
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd, **ADAM_IMPL[args.torch_adam])
+
+
+def build(mode, model, args, world):
+    """Returns train(x, y) -> loss tensor, one optimizer step, and whether that loss is
+    already the global mean (zfunc) or this rank's own (the others)."""
+    import torch.nn.functional as F
+
+    def torch_train(module, opt):
+        def train(x, y):
+            loss = F.cross_entropy(module(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        return train
+
+    if mode == "local":
+        return torch_train(model, torch_adamw(model.parameters(), args)), True
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(model)
+        return torch_train(ddp, torch_adamw(ddp.parameters(), args)), False
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return torch_train(model, torch_adamw(model.parameters(), args)), False
+    if mode.startswith("zero"):
+        import zfunc as zf
+
+        def loss_fn(params, batch):
+            x, y = batch
+            return F.cross_entropy(zf.apply(model, params, x).flatten(0, 1), y.flatten())
+
+        shard = {"zero0": lambda s: s, "zero1": zf.zero1, "zero2": zf.zero2, "zero3": zf.zero3}[mode]
+        step = shard(zf.train_step(loss_fn, zf.optim.adamw(args.lr, weight_decay=args.wd)))
+        state = step.init(model)
+
+        def train(x, y):
+            nonlocal state
+            state, metrics = step(state, (x, y))
+            return metrics["loss"]
+        return train, True
+    if mode.startswith("ds"):
+        import deepspeed
+        config = {
+            "train_micro_batch_size_per_gpu": args.batch,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": dict(lr=args.lr, weight_decay=args.wd, torch_adam=True, **ADAM_IMPL[args.torch_adam])},
+            "zero_optimization": {"stage": int(mode[2:])},
+            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the others do not clip
+        }
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+        def train(x, y):
+            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+            engine.backward(loss)
+            engine.step()
+            return loss.detach()
+        return train, False
+    raise ValueError(mode)
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from gpt import GPT, GPTConfig, num_params, rank_generator
+
+    mode = args.worker
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if mode == "local":
+        rank, world, batch = 0, 1, args.batch * args.world
+    else:
+        if mode.startswith("ds"):
+            import deepspeed
+            deepspeed.init_distributed(dist_backend="gloo")
+        elif mode.startswith("zero"):
+            import zfunc as zf
+            zf.dist.init()
+        else:
+            dist.init_process_group("gloo")
+        rank, world, batch = dist.get_rank(), dist.get_world_size(), args.batch
+
+    torch.manual_seed(args.seed)  # the same initial weights in every mode and on every rank
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
+                    n_heads=args.heads, tie_embeddings=False)
+    model = GPT(cfg)
+    n_params = num_params(model)
+    train, loss_is_global = build(mode, model, args, world)
+
+    # synthetic tokens, the same in every mode: rank r's batches, or all ranks' concatenated for "local"
+    gens = [rank_generator(args.seed, r) for r in range(args.world)] if mode == "local" else [rank_generator(args.seed, rank)]
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.cat([torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g) for g in gens])
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+
+    times, losses = [], []
+    for x, y in batches:
+        t0 = time.perf_counter()
+        losses.append(train(x, y).item())
+        times.append(time.perf_counter() - t0)
+
+    losses = torch.tensor(losses, dtype=torch.float64)
+    if not loss_is_global:
+        dist.all_reduce(losses)
+        losses /= world
+    result = dict(mode=mode, rank=rank, world=world, params=n_params, step_s=times[args.warmup:],
+                  median_step_s=statistics.median(times[args.warmup:]), losses=losses.tolist(),
+                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    with open(f"{args.result}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():  # gloo may abort at interpreter exit otherwise
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# driver: each mode in fresh processes, modes interleaved, a markdown table at the end
+
+
+def run_mode(mode, args, tmp, repeat):
+    from _launch import launch
+    world = 1 if mode == "local" else args.world
+    threads = args.threads * args.world if mode == "local" else args.threads
+    result = os.path.join(tmp, f"{mode}.{repeat}")
+    argv = [os.path.abspath(__file__), "--worker", mode, "--result", result] + [
+        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+        ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch", "world", "lr", "wd", "torch_adam", "seed")]
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if mode.startswith("ds"):
+        env["DS_ACCELERATOR"] = "cpu"
+    t0 = time.perf_counter()
+    rcs = launch(argv, world, env=env, timeout=args.timeout)
+    if any(rcs):
+        print(f"[{mode}] failed: exit codes {rcs}", file=sys.stderr)
+        return None
+    ranks = []
+    for r in range(world):
+        with open(f"{result}.rank{r}.json") as f:
+            ranks.append(json.load(f))
+    out = dict(mode=mode, params=ranks[0]["params"], median_step_s=ranks[0]["median_step_s"],
+               peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
+               final_loss=ranks[0]["losses"][-1], ranks=ranks)
+    print(f"[{mode}] repeat {repeat}: {out['median_step_s']:.3f} s/step, {out['peak_rss_bytes'] / 1e9:.2f} GB peak RSS, "
+          f"loss {out['final_loss']:.6f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return out
+
+
+def table(results, args):
+    modes = [m for m in args.modes if results[m]]
+    summary = {m: dict(step_s=statistics.median(r["median_step_s"] for r in results[m]),
+                       rss=statistics.median(r["peak_rss_bytes"] for r in results[m]),
+                       loss=results[m][0]["final_loss"], params=results[m][0]["params"],
+                       all_step_s=[r["median_step_s"] for r in results[m]]) for m in modes}
+    base = "fsdp2" if "fsdp2" in summary else modes[0]
+    ref = "local" if "local" in summary else ("ddp" if "ddp" in summary else modes[0])
+    b, mismatches = summary[base], []
+    lines = [f"| mode | median step s | time / {base} | peak RSS per rank | RSS / {base} | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for m in modes:
+        s = summary[m]
+        rel = abs(s["loss"] - summary[ref]["loss"]) / abs(summary[ref]["loss"])
+        ok = rel <= args.tolerance
+        if not ok:
+            mismatches.append(f"{MODES[m]} reached {s['loss']:.8f}, {ref} {summary[ref]['loss']:.8f}: "
+                              f"relative difference {rel:.2e} > {args.tolerance:g}")
+        spread = "" if len(s["all_step_s"]) == 1 else f" ({min(s['all_step_s']):.3f}-{max(s['all_step_s']):.3f})"
+        lines.append(f"| {MODES[m]} | {s['step_s']:.3f}{spread} | {s['step_s'] / b['step_s']:.2f} | {s['rss'] / 1e9:.2f} GB | "
+                     f"{s['rss'] / b['rss']:.2f} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
+    for m in modes:  # a rerun of the same mode must give the same loss too
+        if len({r["final_loss"] for r in results[m]}) > 1:
+            mismatches.append(f"{MODES[m]} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
+    return "\n".join(lines), summary, mismatches
+
+
+def main(args):
+    import torch
+    failed = []
+    results = {m: [] for m in args.modes}
+    with tempfile.TemporaryDirectory(prefix="zero_vs_fsdp.") as tmp:
+        for repeat in range(args.repeats):
+            for mode in args.modes:
+                out = run_mode(mode, args, tmp, repeat)
+                if out is None:
+                    failed.append((mode, repeat))
+                else:
+                    results[mode].append(out)
+    if not any(results.values()):
+        sys.exit("every mode failed")
+    text, summary, mismatches = table(results, args)
+    params = next(iter(summary.values()))["params"]
+    print(f"\nGPT pre-LN, {args.layers} layers, d_model {args.width}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
+          f"untied, {params / 1e6:.1f}M params, fp32, AdamW (lr {args.lr}, wd {args.wd}; torch modes: {args.torch_adam}); "
+          f"W={args.world} gloo ranks x {args.threads} thread(s), batch {args.world} x {args.batch}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps; median over {args.repeats} repeat(s); torch {torch.__version__}\n")
+    print(text, flush=True)
+    if not have_deepspeed():
+        print("\n(DeepSpeed modes skipped: `import deepspeed` fails here.)")
+    if failed:
+        print(f"\nFAILED runs (mode, repeat): {failed}")
+    if mismatches:
+        print("\n" + "!" * 72)
+        for msg in mismatches:
+            print(f"!!! LOSS MISMATCH: {msg}")
+        print("!" * 72)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), results=results), f, indent=1)
+    sys.exit(1 if failed or mismatches else 0)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        main(args)
