@@ -77,6 +77,46 @@ inline void adam16(P* p, const G* g, S* m, S* v, L* low, __mmask16 k, const Hype
 }
 #endif
 
+#ifndef ZFUNC_AVX512
+// Portable path: the update on float arrays, in the same operation order. gcc
+// -O3 -fno-math-errno vectorises this loop, and the conversion loops below,
+// separately; it does not vectorise one loop that mixes 2- and 4-byte storage.
+inline void adam_f32(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m,
+                     float* __restrict__ v, int64_t n, const Hyper& h) {
+  const float scale = h.scale, c1 = h.one_minus_beta1, b2 = h.beta2, c2 = h.one_minus_beta2,
+              eps = h.eps, l2 = h.l2, decay = h.decay, step_size = h.step_size,
+              bias2_sqrt = h.bias2_sqrt;
+  const bool adamw = h.adamw;
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i] * scale;
+    float pi = p[i];
+    if (adamw) pi = pi * decay;
+    else if (l2 != 0.0f) gi = gi + pi * l2;
+    const float mi = lerp(m[i], gi, c1);
+    const float vi = v[i] * b2 + c2 * gi * gi;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi - step_size * mi / (std::sqrt(vi) / bias2_sqrt + eps);
+  }
+}
+
+template <class T> void widen(const T* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_f32(src, i);
+}
+template <class T> void narrow(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) store_f32(dst, i, src[i]);
+}
+
+// Float storage is used in place; other storage goes through an L1-sized buffer.
+template <class T> float* work(T* x, float* buf, int64_t n, bool load) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else { if (load) widen(x, buf, n); return buf; }
+}
+template <class T> void finish(T* x, const float* buf, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) narrow(buf, x, n);
+}
+#endif
+
 template <class P, class G, class S, class L>
 void adam_kernel(void* p_, const void* g_, void* m_, void* v_, void* low_, int64_t n,
                  const Hyper& h) {
@@ -86,32 +126,26 @@ void adam_kernel(void* p_, const void* g_, void* m_, void* v_, void* low_, int64
   S* v = static_cast<S*>(v_);
   L* low = static_cast<L*>(low_);
   constexpr bool kLow = !std::is_same_v<L, none>;
-  int64_t i = 0;
 #ifdef ZFUNC_AVX512
+  int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
     adam16<false>(p + i, g + i, m + i, v + i, kLow ? low + i : nullptr, 0, h);
   if (i < n)
     adam16<true>(p + i, g + i, m + i, v + i, kLow ? low + i : nullptr, tail_mask(n - i), h);
 #else
-  // Plain loop with the same operation order; gcc -O3 -fno-math-errno
-  // vectorises it (conversions included).
-  const float scale = h.scale, c1 = h.one_minus_beta1, b2 = h.beta2,
-              c2 = h.one_minus_beta2, eps = h.eps, l2 = h.l2, decay = h.decay,
-              step_size = h.step_size, bias2_sqrt = h.bias2_sqrt;
-  const bool adamw = h.adamw;
-  for (; i < n; ++i) {
-    float gi = to_f32(g[i]) * scale;
-    float pi = to_f32(p[i]);
-    if (adamw) pi = pi * decay;
-    else if (l2 != 0.0f) gi = gi + pi * l2;
-    float mi = to_f32(m[i]);
-    mi = lerp(mi, gi, c1);
-    float vi = to_f32(v[i]) * b2 + c2 * gi * gi;
-    m[i] = from_f32<S>(mi);
-    v[i] = from_f32<S>(vi);
-    pi = pi - step_size * mi / (std::sqrt(vi) / bias2_sqrt + eps);
-    p[i] = from_f32<P>(pi);
-    if constexpr (kLow) low[i] = from_f32<L>(pi);
+  constexpr int64_t kBlock = 512;
+  alignas(64) float pb[kBlock], gb[kBlock], mb[kBlock], vb[kBlock];
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const int64_t k = std::min(kBlock, n - i);
+    float* pw = work(p + i, pb, k, true);
+    float* mw = work(m + i, mb, k, true);
+    float* vw = work(v + i, vb, k, true);
+    const float* gw = work(const_cast<G*>(g + i), gb, k, true);
+    adam_f32(pw, gw, mw, vw, k, h);
+    finish(p + i, pw, k);
+    finish(m + i, mw, k);
+    finish(v + i, vw, k);
+    if constexpr (kLow) narrow(pw, low + i, k);
   }
 #endif
 }
@@ -241,6 +275,23 @@ void adam_update(const std::vector<at::Tensor>& params, const std::vector<at::Te
 }
 
 // ------------------------------------------------- sum of squares + finite check
+#ifndef ZFUNC_AVX512
+constexpr int kPart = 8;
+// acc[l] += x[j]^2 for j = l (mod kPart); the tail goes to acc[0].
+inline void add_squares(const float* __restrict__ x, int64_t n, double* __restrict__ acc) {
+  int64_t j = 0;
+  for (; j + kPart <= n; j += kPart)
+    for (int l = 0; l < kPart; ++l) acc[l] += double(x[j + l]) * double(x[j + l]);
+  for (; j < n; ++j) acc[0] += double(x[j]) * double(x[j]);
+}
+// x * 0 is NaN, so != 0, exactly when x is inf or NaN.
+inline int any_nonfinite(const float* __restrict__ x, int64_t n) {
+  int bad = 0;
+  for (int64_t j = 0; j < n; ++j) bad |= (x[j] * 0.0f != 0.0f);
+  return bad;
+}
+#endif
+
 template <class T> void sumsq_kernel(const void* x_, int64_t n, double* sumsq, bool* finite) {
   const T* x = static_cast<const T*>(x_);
   int64_t i = 0;
@@ -261,15 +312,23 @@ template <class T> void sumsq_kernel(const void* x_, int64_t n, double* sumsq, b
   *sumsq = _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
   *finite = bad == 0;
 #else
-  double acc = 0.0;
-  bool ok = true;
-  for (; i < n; ++i) {
-    float f = to_f32(x[i]);
-    acc += double(f) * double(f);
-    ok &= std::isfinite(f);
+  // Eight independent partial sums (a fixed order, so gcc vectorises them
+  // without reassociating), and a separate finiteness loop: gcc vectorises
+  // each alone, not the two fused.
+  constexpr int64_t kBlock = 512;
+  alignas(64) float buf[kBlock];
+  alignas(64) double acc[kPart] = {};
+  int bad = 0;
+  for (; i < n; i += kBlock) {
+    const int64_t k = std::min(kBlock, n - i);
+    const float* f = work(const_cast<T*>(x + i), buf, k, true);
+    bad |= any_nonfinite(f, k);
+    add_squares(f, k, acc);
   }
-  *sumsq = acc;
-  *finite = ok;
+  double total = 0.0;
+  for (int l = 0; l < kPart; ++l) total += acc[l];
+  *sumsq = total;
+  *finite = bad == 0;
 #endif
 }
 

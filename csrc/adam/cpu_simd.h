@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     !defined(ZFUNC_PORTABLE)
@@ -35,48 +36,54 @@ inline float bits_f32(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16 x) { return bits_f32(uint32_t(x.bits) << 16); }
 
+// The scalar rules are written without branches (selects only) so that gcc
+// vectorises the loops that use them.
 inline uint16_t f32_to_bf16_bits(float x) {
-  uint32_t u = f32_bits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
+  const uint32_t u = f32_bits(x);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(rounded);  // NaN
 }
 
-#if defined(__F16C__)
-inline float to_f32(f16 x) { return _cvtsh_ss(x.bits); }
-inline uint16_t f32_to_f16_bits(float x) {
-  return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-#else
-// IEEE binary16 <-> binary32 in integer arithmetic (round to nearest even).
+// IEEE binary16 <-> binary32 with round to nearest even, in integer and float
+// arithmetic (no F16C needed; exact for every input, subnormals included).
 inline float to_f32(f16 x) {
-  uint32_t h = x.bits, sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13));  // inf / NaN
-  if (exp == 0) {                                                     // zero / subnormal
-    if (man == 0) return bits_f32(sign);
-    float f = float(man) * (1.0f / 16777216.0f);                        // man * 2^-24, exact
-    return sign ? -f : f;
-  }
-  return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+  const uint32_t h = x.bits, sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
+  // (em << 13) is the half's exponent+mantissa in float position with the
+  // exponent bias off by 112: scaling by 2^112 fixes normals and subnormals alike.
+  const float finite = bits_f32(em << 13) * 0x1p112f;
+  const uint32_t mag = em >= 0x7c00u ? ((em << 13) | 0x7f800000u) : f32_bits(finite);
+  return bits_f32(sign | mag);
 }
 inline uint16_t f32_to_f16_bits(float x) {
-  uint32_t u = f32_bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ff));  // NaN
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to inf (or is inf)
-  if (a < 0x38800000u) {  // result subnormal or zero: round a * 2^24 to an integer
-    float f = bits_f32(a) * 16777216.0f;  // exact scaling
-    uint32_t i = uint32_t(f), r = f - float(i) > 0.5f || (f - float(i) == 0.5f && (i & 1));
-    return uint16_t(sign | (i + r));
-  }
-  uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u);
-  return uint16_t(sign | ((rounded - 0x38000000u) >> 13));
+  const uint32_t u = f32_bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+  // normal results: rebias the exponent and round the 13 dropped bits (a carry
+  // into the exponent is the right answer, up to inf at 65520)
+  const uint32_t normal = (a - 0x38000000u + 0xfffu + ((a >> 13) & 1u)) >> 13;
+  // subnormal results: 0.5f has an ulp of 2^-24, so a + 0.5f makes the FPU
+  // round a * 2^24 to an integer, which lands in the low mantissa bits
+  const float magic = bits_f32(0x3f000000u);  // 0.5f
+  const uint32_t sub = f32_bits(bits_f32(a) + magic) - 0x3f000000u;
+  const uint32_t big = a > 0x7f800000u ? 0x7e00u : 0x7c00u;  // NaN or overflow to inf
+  const uint32_t mag = a >= 0x477ff000u ? big : a < 0x38800000u ? sub : normal;
+  return uint16_t(sign | mag);
 }
-#endif
 
-template <class T> inline T from_f32(float x);
-template <> inline float from_f32<float>(float x) { return x; }
-template <> inline bf16 from_f32<bf16>(float x) { return bf16{f32_to_bf16_bits(x)}; }
-template <> inline f16 from_f32<f16>(float x) { return f16{f32_to_f16_bits(x)}; }
+// Element access through plain scalar types (gcc does not vectorise loads and
+// stores of the one-member structs): float stays float, 2-byte floats are uint16_t.
+template <class T>
+using raw_t = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+
+template <class T> inline float load_f32(const T* p, int64_t i) {
+  const raw_t<T> x = reinterpret_cast<const raw_t<T>*>(p)[i];
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return to_f32(T{x});
+}
+template <class T> inline void store_f32(T* p, int64_t i, float x) {
+  raw_t<T>* q = reinterpret_cast<raw_t<T>*>(p);
+  if constexpr (std::is_same_v<T, float>) q[i] = x;
+  else if constexpr (std::is_same_v<T, bf16>) q[i] = f32_to_bf16_bits(x);
+  else q[i] = f32_to_f16_bits(x);
+}
 
 // ------------------------------------------------------------ AVX-512 rules
 #ifdef ZFUNC_AVX512
