@@ -1,0 +1,164 @@
+"""zfunc.ops.builder: flag choice, up-front checks, fallback reasons, the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from zfunc.ops import builder
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Forget the per-process record of the test ops before and after each test."""
+    names = []
+
+    def name(n):
+        names.append(n)
+        builder._forget(n)
+        return n
+
+    monkeypatch.delenv("ZFUNC_OPS_DISABLE", raising=False)
+    yield name
+    for n in names:
+        builder._forget(n)
+
+
+def _row(name):
+    return next(r for r in builder.report() if r["name"] == name)
+
+
+def test_isa_flags_follow_cpuinfo(monkeypatch):
+    monkeypatch.delenv("ZFUNC_OPS_ISA", raising=False)
+    avx512 = frozenset("avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16".split())
+    flags = builder.isa_cflags(avx512)
+    assert {"-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"} <= set(flags)
+    assert "-mavx512bf16" not in builder.isa_cflags(avx512 - {"avx512_bf16"})
+    # AVX-512 without BW/VL (first Xeon Phi) is treated as AVX2
+    assert builder.isa_cflags(avx512 - {"avx512bw"}) == ["-mavx2", "-mfma", "-mf16c"]
+    assert builder.isa_cflags(frozenset({"avx2", "fma"})) == ["-mavx2", "-mfma"]
+    assert builder.isa_cflags(frozenset({"sse4_2"})) == []
+    assert builder.isa_cflags(frozenset()) == []
+    monkeypatch.setenv("ZFUNC_OPS_ISA", "avx2")
+    assert builder.isa_cflags(avx512) == ["-mavx2", "-mfma", "-mf16c"]
+    monkeypatch.setenv("ZFUNC_OPS_ISA", "none")
+    assert builder.isa_cflags(avx512) == []
+    monkeypatch.setenv("ZFUNC_OPS_ISA", "sse9")
+    with pytest.raises(ValueError, match="ZFUNC_OPS_ISA"):
+        builder.isa_cflags(avx512)
+
+
+def test_this_cpu_is_read():
+    flags = builder.cpu_flags()
+    if os.path.exists("/proc/cpuinfo") and "avx512f" in flags and "avx512bw" in flags \
+            and "avx512vl" in flags:
+        assert "-mavx512f" in builder.isa_cflags()
+
+
+@pytest.mark.parametrize("value, disabled", [
+    ("", False), ("0", False), ("1", True), ("all", True), ("cpu_adam", True),
+    ("aio, cpu_adam", True), ("aio", False), ("CPU_ADAM", True),
+])
+def test_disable_env(monkeypatch, value, disabled):
+    monkeypatch.setenv("ZFUNC_OPS_DISABLE", value)
+    assert builder._disabled("cpu_adam") is disabled
+
+
+def test_disabled_op_returns_none_quietly(fresh, monkeypatch):
+    name = fresh("zz_disabled")
+    monkeypatch.setenv("ZFUNC_OPS_DISABLE", "zz_disabled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert builder.load(name, ["adam/cpu_adam.cpp"]) is None
+    row = _row(name)
+    assert row["built"] is False and "ZFUNC_OPS_DISABLE" in row["reason"]
+    assert set(row) >= {"name", "built", "reason", "flags"}
+
+
+def test_missing_compiler_is_named_once(fresh, monkeypatch):
+    name = fresh("zz_nocxx")
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.warns(builder.OpBuildWarning, match="/nonexistent/g\\+\\+"):
+        assert builder.load(name, ["adam/cpu_adam.cpp"]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cached: asking again says nothing more
+        assert builder.load(name, ["adam/cpu_adam.cpp"]) is None
+    assert "compiler '/nonexistent/g++' not found" in _row(name)["reason"]
+    assert [r["name"] for r in builder.report()].count(name) == 1
+
+
+def test_missing_header_and_library_are_named(fresh):
+    name = fresh("zz_nohdr")
+    with pytest.warns(builder.OpBuildWarning):
+        assert builder.load(name, ["adam/cpu_adam.cpp"],
+                            required_headers=["zfunc_no_such_header.h"]) is None
+    assert "header 'zfunc_no_such_header.h' not found" in _row(name)["reason"]
+    name = fresh("zz_nolib")
+    with pytest.warns(builder.OpBuildWarning):
+        assert builder.load(name, ["adam/cpu_adam.cpp"],
+                            required_libs=["zfunc_no_such_lib"]) is None
+    assert "library 'zfunc_no_such_lib' not found" in _row(name)["reason"]
+
+
+def test_present_header_and_library_pass_the_check(fresh):
+    assert builder._probe(builder._cxx(), "#include <math.h>\nint main() { return 0; }\n",
+                          ("-fsyntax-only",)) is None
+    assert builder._probe(builder._cxx(), "int main() { return 0; }\n", ("-lm",)) is None
+
+
+def test_missing_source_is_named(fresh):
+    name = fresh("zz_nosrc")
+    with pytest.warns(builder.OpBuildWarning, match="no_such.cpp"):
+        assert builder.load(name, ["adam/no_such.cpp"]) is None
+
+
+def test_compile_error_is_reported_not_raised(fresh, tmp_path, monkeypatch):
+    name = fresh("zz_broken")
+    src = tmp_path / "broken.cpp"
+    src.write_text("int f() { return undefined_name; }\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    with pytest.warns(builder.OpBuildWarning):
+        assert builder.load(name, [str(src)]) is None  # absolute paths are allowed
+    reason = _row(name)["reason"]
+    assert reason.startswith("build failed") and "undefined_name" in reason
+
+
+def test_cuda_op_without_cuda_says_why(fresh):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    name = fresh("zz_cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # expected on a CPU machine: recorded, not announced
+        assert builder.load(name, ["adam/cuda_adam.cu"], cuda=True) is None
+    assert "CUDA" in _row(name)["reason"]
+
+
+def test_module_name_hashes_the_flags():
+    a = builder._ext_name("x", ["-O3"], [], False)
+    assert a == builder._ext_name("x", ["-O3"], [], False)
+    assert a != builder._ext_name("x", ["-O3", "-mavx2"], [], False)
+    assert a != builder._ext_name("x", ["-O3"], ["-laio"], False)
+    assert a != builder._ext_name("x", ["-O3"], [], True)
+    assert a.startswith("zfunc_x_")
+
+
+def test_cli_prints_a_table():
+    env = dict(os.environ, ZFUNC_OPS_DISABLE="aio_uring,aio_libaio,aio_threads")
+    out = subprocess.run([sys.executable, "-m", "zfunc.ops", "--json"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    names = {r["name"]: r for r in data["ops"]}
+    assert {"cpu_adam", "cuda_adam"} <= set(names)
+    assert names["cpu_adam"]["built"] is not builder._disabled("cpu_adam")
+    out = subprocess.run([sys.executable, "-m", "zfunc.ops"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "| op" in out.stdout and "cpu_adam" in out.stdout
