@@ -311,3 +311,16 @@ def test_bad_arguments(tmp):
     with pytest.raises(ValueError, match="offset"):
         io.pwrite(torch.zeros(4), tmp / "x", -1)
     io.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_plain_write_does_not_grow_file(tmp, backend):
+    path = tmp / "plain.bin"
+    path.write_bytes(b"abc")
+    data = aio.aligned_empty(1 << 20)
+    with aio.AsyncIO(block_size=64 * KiB, backend=backend) as io:
+        io._inject_error(errno.EIO)
+        io.pwrite(data, path, 4096)
+        with pytest.raises(OSError, match="Input/output error while writing"):
+            io.wait()
+    assert path.stat().st_size == 3

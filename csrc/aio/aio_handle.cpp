@@ -57,6 +57,8 @@ struct Request {
   int fd_buffered = -1;   // always open
   long long offset = 0;
   size_t nbytes = 0;
+  long long grown_from = -1;  // size before we extended the file for this write
+  long long grown_to = -1;
   int inject_errno = 0;   // fault injection: fail blocks past inject_after
   size_t inject_after = 0;
   std::atomic<int> parts_left{0};
@@ -183,6 +185,8 @@ class Handle {
     if (block_size == 0 || block_size % kAlign != 0)
       throw std::invalid_argument("block_size must be a positive multiple of " +
                                   std::to_string(kAlign) + ", got " + std::to_string(block_size));
+    if (block_size > (size_t{1} << 30))  // completions report an int byte count
+      throw std::invalid_argument("block_size must be at most 1 GiB");
     if (queue_depth < 1) throw std::invalid_argument("queue_depth must be >= 1");
     if (thread_count < 1) throw std::invalid_argument("thread_count must be >= 1");
     for (int i = 0; i < thread_count; ++i)
@@ -319,6 +323,12 @@ class Handle {
         r->failure.msg += "; the temporary was removed and '" + r->path + "' was not written";
       }
     }
+    if (!r->atomic && r->failed.load() && r->grown_from >= 0) {
+      // Undo our extension unless a later write grew the file further.
+      struct stat st;
+      if (::fstat(r->fd_buffered, &st) == 0 && st.st_size == r->grown_to)
+        if (::ftruncate(r->fd_buffered, r->grown_from) != 0) { /* keep the first error */ }
+    }
     if (r->fd_direct >= 0) ::close(r->fd_direct);
     if (r->fd_buffered >= 0) ::close(r->fd_buffered);
     r->fd_direct = r->fd_buffered = -1;
@@ -385,6 +395,18 @@ class Handle {
     if (lines_up && r.nbytes >= head + kAlign) {
       r.fd_direct = ::open(p, (r.write ? O_WRONLY : O_RDONLY) | O_DIRECT | O_CLOEXEC);
       // EINVAL: the file system has no O_DIRECT (older tmpfs); stay buffered.
+    }
+    // Direct writes past end of file are synchronous on ext4 (the size must
+    // change first); set the final size up front so they overlap. A failed
+    // write shrinks the file back (finish()).
+    if (r.write && r.fd_direct >= 0) {
+      struct stat st;
+      long long end = r.offset + static_cast<long long>(r.nbytes);
+      if (::fstat(r.fd_buffered, &st) == 0 && S_ISREG(st.st_mode) && end > st.st_size) {
+        if (::ftruncate(r.fd_buffered, end) != 0) throw open_failure(errno, r, "writing (extending)");
+        r.grown_from = st.st_size;
+        r.grown_to = end;
+      }
     }
   }
 
