@@ -17,10 +17,6 @@ from . import builder
 NAME = "cpu_adam"
 SOURCES = ["adam/cpu_adam.cpp"]
 
-_PARAM_DTYPES = (torch.float32, torch.bfloat16)
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
-_LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def load():
@@ -67,46 +63,33 @@ def adam_update_(
         raise ValueError(f"adam_update_: {n} params but {len(lowp_params)} lowp_params")
     if n == 0:
         return
-    kw = dict(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-              eps=float(eps), weight_decay=float(weight_decay), decoupled=bool(decoupled),
-              grad_scale=float(grad_scale))
-    cpu, cuda, rest = [], [], []
-    for i, p in enumerate(params):
-        (cpu if p.device.type == "cpu" else cuda if p.device.type == "cuda" else rest).append(i)
-
-    if cpu:
-        kernel = load()
-        if kernel is not None:
-            fits = [i for i in cpu if _kernel_fits(params[i], grads[i], exp_avgs[i],
-                                                   exp_avg_sqs[i],
-                                                   None if lowp_params is None else lowp_params[i])]
-            if fits:
-                pick = lambda xs: [xs[i] for i in fits]  # noqa: E731
-                kernel.adam_update(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                                   [] if lowp_params is None else pick(lowp_params), **kw)
-                done = set(fits)
-                cpu = [i for i in cpu if i not in done]
-        rest += cpu
-    if cuda:
-        from . import cuda_adam
-
-        pick = lambda xs: [xs[i] for i in cuda]  # noqa: E731
-        cuda_adam.adam_update_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                               lowp_params=None if lowp_params is None else pick(lowp_params),
-                               **kw)
-    if rest:
-        pick = lambda xs: [xs[i] for i in rest]  # noqa: E731
-        torch_adam_(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
-                    lowp_params=None if lowp_params is None else pick(lowp_params), **kw)
+    args = (int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+            bool(decoupled), float(grad_scale))
+    kernel = load()
+    if kernel is not None:
+        # One C++ call for the whole list; it hands back what it cannot take
+        # (other devices, non-contiguous tensors, other dtypes).
+        rest = kernel.adam_update(params, grads, exp_avgs, exp_avg_sqs,
+                                  () if lowp_params is None else lowp_params, *args)
+        if not rest:
+            return
+    else:
+        rest = range(n)
+    kw = dict(zip(("step", "lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
+                   "grad_scale"), args))
+    cuda = [i for i in rest if params[i].device.type == "cuda"]
+    other = [i for i in rest if params[i].device.type != "cuda"]
+    for idx, update in ((cuda, _cuda_update), (other, torch_adam_)):
+        if idx:
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            update(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                   lowp_params=None if lowp_params is None else pick(lowp_params), **kw)
 
 
-def _kernel_fits(p, g, m, v, low) -> bool:
-    ts = (p, g, m, v) if low is None else (p, g, m, v, low)
-    return (all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == p.numel()
-                for t in ts)
-            and p.dtype in _PARAM_DTYPES and g.dtype in _GRAD_DTYPES
-            and m.dtype == v.dtype and m.dtype in _STATE_DTYPES
-            and (low is None or low.dtype in _LOWP_DTYPES))
+def _cuda_update(*args, **kw) -> None:
+    from . import cuda_adam
+
+    cuda_adam.adam_update_(*args, **kw)
 
 
 @torch.no_grad()
@@ -159,18 +142,11 @@ def nonfinite_and_sq_norm(tensors: Sequence[torch.Tensor]) -> tuple[float, bool]
     kernel for contiguous CPU tensors when built, torch otherwise.
     """
     total, finite = 0.0, True
-    kernel_ts, other = [], []
-    kernel = load() if any(t.device.type == "cpu" for t in tensors) else None
-    for t in tensors:
-        if (kernel is not None and t.device.type == "cpu" and t.is_contiguous()
-                and t.dtype in _GRAD_DTYPES):
-            kernel_ts.append(t)
-        else:
-            other.append(t)
-    if kernel_ts:
-        s, ok = kernel.nonfinite_and_sq_norm(kernel_ts)
-        total += s
-        finite &= ok
+    kernel = load()
+    other = list(tensors)
+    if kernel is not None and other:
+        total, finite, rest = kernel.nonfinite_and_sq_norm(other)
+        other = [other[i] for i in rest]
     if other:
         with torch.no_grad():
             norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in other
