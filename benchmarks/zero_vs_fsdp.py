@@ -95,6 +95,9 @@ def build(mode, model, args, world):
     """Returns train(x, y) -> loss tensor, one optimizer step, and whether that loss is
     already the global mean (zfunc) or this rank's own (the others)."""
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     def torch_train(module, opt):
         def train(x, y):
@@ -108,12 +111,9 @@ def build(mode, model, args, world):
     if mode == "local":
         return torch_train(model, torch_adamw(model.parameters(), args)), True
     if mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
         ddp = DDP(model)
         return torch_train(ddp, torch_adamw(ddp.parameters(), args)), False
     if mode == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
@@ -155,11 +155,17 @@ def build(mode, model, args, world):
     raise ValueError(mode)
 
 
+def current_rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
     from gpt import GPT, GPTConfig, num_params, rank_generator
 
+    import torch.distributed.fsdp, torch.nn.parallel  # noqa: F401, E401  (in the RSS baseline of every mode)
     mode = args.worker
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if mode == "local":
@@ -175,6 +181,7 @@ def worker(args):
             dist.init_process_group("gloo")
         rank, world, batch = dist.get_rank(), dist.get_world_size(), args.batch
 
+    baseline_rss = current_rss_bytes()  # libraries and process group, before the model exists
     torch.manual_seed(args.seed)  # the same initial weights in every mode and on every rank
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
                     n_heads=args.heads, tie_embeddings=False)
@@ -201,7 +208,7 @@ def worker(args):
         losses /= world
     result = dict(mode=mode, rank=rank, world=world, params=n_params, step_s=times[args.warmup:],
                   median_step_s=statistics.median(times[args.warmup:]), losses=losses.tolist(),
-                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, baseline_rss_bytes=baseline_rss)
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     if dist.is_initialized():  # gloo may abort at interpreter exit otherwise
@@ -234,7 +241,8 @@ def run_mode(mode, args, tmp, repeat):
         with open(f"{result}.rank{r}.json") as f:
             ranks.append(json.load(f))
     out = dict(mode=mode, params=ranks[0]["params"], median_step_s=ranks[0]["median_step_s"],
-               peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
+               peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
+               peak_above_baseline_bytes=max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
                final_loss=ranks[0]["losses"][-1], ranks=ranks)
     print(f"[{mode}] repeat {repeat}: {out['median_step_s']:.3f} s/step, {out['peak_rss_bytes'] / 1e9:.2f} GB peak RSS, "
           f"loss {out['final_loss']:.6f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -245,13 +253,15 @@ def table(results, args):
     modes = [m for m in args.modes if results[m]]
     summary = {m: dict(step_s=statistics.median(r["median_step_s"] for r in results[m]),
                        rss=statistics.median(r["peak_rss_bytes"] for r in results[m]),
+                       rss_above=statistics.median(r["peak_above_baseline_bytes"] for r in results[m]),
                        loss=results[m][0]["final_loss"], params=results[m][0]["params"],
                        all_step_s=[r["median_step_s"] for r in results[m]]) for m in modes}
     base = "fsdp2" if "fsdp2" in summary else modes[0]
     ref = "local" if "local" in summary else ("ddp" if "ddp" in summary else modes[0])
     b, mismatches = summary[base], []
-    lines = [f"| mode | median step s | time / {base} | peak RSS per rank | RSS / {base} | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [f"| mode | median step s | time / {base} | peak RSS per rank | RSS / {base} | peak above baseline | "
+             f"above / {base} | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for m in modes:
         s = summary[m]
         rel = abs(s["loss"] - summary[ref]["loss"]) / abs(summary[ref]["loss"])
@@ -261,7 +271,7 @@ def table(results, args):
                               f"relative difference {rel:.2e} > {args.tolerance:g}")
         spread = "" if len(s["all_step_s"]) == 1 else f" ({min(s['all_step_s']):.3f}-{max(s['all_step_s']):.3f})"
         lines.append(f"| {MODES[m]} | {s['step_s']:.3f}{spread} | {s['step_s'] / b['step_s']:.2f} | {s['rss'] / 1e9:.2f} GB | "
-                     f"{s['rss'] / b['rss']:.2f} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
+                     f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
     for m in modes:  # a rerun of the same mode must give the same loss too
         if len({r["final_loss"] for r in results[m]}) > 1:
             mismatches.append(f"{MODES[m]} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
