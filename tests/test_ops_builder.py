@@ -93,6 +93,16 @@ def test_missing_compiler_is_named_once(fresh, monkeypatch):
     assert [r["name"] for r in builder.report()].count(name) == 1
 
 
+def test_missing_ninja_is_named(fresh, monkeypatch):
+    from torch.utils import cpp_extension
+
+    name = fresh("zz_noninja")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.warns(builder.OpBuildWarning, match="ninja"):
+        assert builder.load(name, ["adam/cpu_adam.cpp"]) is None
+    assert _row(name)["reason"].startswith("ninja not found")
+
+
 def test_missing_header_and_library_are_named(fresh):
     name = fresh("zz_nohdr")
     with pytest.warns(builder.OpBuildWarning):
