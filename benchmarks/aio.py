@@ -10,8 +10,9 @@ configuration in turn, rotating the order), medians reported:
 * fio (``--direct=1``, io_uring and libaio engines), when installed;
 * plain Python unbuffered file I/O, 8 MiB chunks, write + fsync.
 
-Every tool writes a fresh file (deleted first) with O_DIRECT and, unless
-``--fsync`` is given, no final fsync (the Python row always fsyncs: its writes
+Every tool writes a fresh file (deleted first; ``--overwrite``: rewrites one
+existing file, as a reused swap file) with O_DIRECT and, unless ``--fsync``
+is given, no final fsync (the Python row always fsyncs: its writes
 are buffered). Reads are cold as far as the guest can make them:
 ``posix_fadvise(DONTNEED)`` first (drop_caches is not permitted here).
 
@@ -67,7 +68,12 @@ def drop_cache(path: str) -> None:
         os.close(fd)
 
 
+OVERWRITE = False  # --overwrite: write into the existing, allocated file instead
+
+
 def remove(path: str) -> None:
+    if OVERWRITE:
+        return
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -175,7 +181,8 @@ def python_tool(chunk: int = 8 << 20):
         mv = memoryview((ctypes.c_char * buf.numel()).from_address(buf.data_ptr())).cast("B")
         remove(path)
         t = time.perf_counter()
-        with open(path, "wb", buffering=0) as f:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if OVERWRITE else os.O_TRUNC), 0o644)
+        with open(fd, "wb", buffering=0) as f:
             for i in range(0, len(mv), chunk):
                 f.write(mv[i:i + chunk])
             os.fsync(f.fileno())
@@ -206,11 +213,15 @@ def main(argv=None) -> None:
                     help="zfunc back ends (default: every native one available)")
     ap.add_argument("--python", action="store_true", help="also the pure-Python back end")
     ap.add_argument("--fsync", action="store_true", help="fsync at the end of every write")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="overwrite one existing file (as a reused swap file) instead of "
+                         "writing a fresh one each time")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--json", default=None, help="also write raw results here")
     args = ap.parse_args(argv)
 
+    global OVERWRITE
     size = parse_size(args.size)
     blocks = [parse_size(b) for b in args.blocks.split(",")]
     depths = [int(d) for d in args.depths.split(",")]
@@ -252,10 +263,15 @@ def main(argv=None) -> None:
         buf = aio.aligned_empty(size)
     buf.view(torch.int64)[: size // 8].copy_(torch.arange(size // 8, dtype=torch.int64))
     sampler = Sampler(buf)
+    if args.overwrite:
+        with aio.AsyncIO(backend=aio.available_backends()[0], check_space=False) as io:
+            io.pwrite(buf, path, fsync=True)
+        OVERWRITE = True
     configs = [(bs, qd) for bs in blocks for qd in depths]
     times: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     print(f"# {fmt_size(size)} file in {args.dir}, {args.repeats} repetitions, "
-          f"thread_count {args.threads}, fsync {'on' if args.fsync else 'off'}", flush=True)
+          f"thread_count {args.threads}, fsync {'on' if args.fsync else 'off'}, "
+          f"{'overwriting one file' if args.overwrite else 'fresh file per write'}", flush=True)
     for rep in range(args.repeats):
         for ci, (bs, qd) in enumerate(configs):
             k = (rep + ci) % len(tools)
@@ -268,6 +284,7 @@ def main(argv=None) -> None:
                 print(f"  rep {rep} {name:16s} bs {fmt_size(bs) if per_config else '-':7s} "
                       f"qd {qd if per_config else '-':>2}: write {size / w / GB:5.2f} GB/s, "
                       f"read {size / r / GB:5.2f} GB/s", flush=True)
+    OVERWRITE = False
     remove(path)
 
     def rate(key, i):

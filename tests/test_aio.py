@@ -324,3 +324,16 @@ def test_failed_plain_write_does_not_grow_file(tmp, backend):
         with pytest.raises(OSError, match="Input/output error while writing"):
             io.wait()
     assert path.stat().st_size == 3
+
+
+def test_from_deepspeed_config():
+    io = aio.AsyncIO.from_config({"block_size": 65536, "queue_depth": 4, "intra_op_parallelism": 2,
+                                  "single_submit": True, "overlap_events": False,
+                                  "use_gds": False}, backend="python")
+    assert (io.block_size, io.queue_depth, io.thread_count) == (65536, 4, 2)
+    assert io.single_submit and not io.overlap_events
+    io.close()
+    with pytest.raises(ValueError, match="did you mean 'queue_depth'"):
+        aio.AsyncIO.from_config({"queue_dept": 8})
+    with pytest.raises(ValueError, match="GPUDirect"):
+        aio.AsyncIO.from_config({"use_gds": True})

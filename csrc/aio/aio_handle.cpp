@@ -19,6 +19,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -123,13 +124,32 @@ class Worker {
  public:
   Worker(Handle* h, int depth, size_t block_size, bool single_submit, bool overlap)
       : handle_(h), depth_(depth), block_size_(block_size), single_submit_(single_submit),
-        overlap_(overlap), engine_(make_engine(depth)), slots_(depth), busy_(depth, 0) {
+        overlap_(overlap), slots_(depth), busy_(depth, 0) {
     for (int i = depth - 1; i >= 0; --i) {
       slots_[i].slot = i;
       free_.push_back(i);
     }
     done_.resize(depth);
-    thread_ = std::thread([this] { loop(); });
+    // The engine is made on the thread that uses it (an io_uring ring may be
+    // tied to its submitting thread); a failure is rethrown here.
+    std::promise<void> ready;
+    std::future<void> made = ready.get_future();
+    thread_ = std::thread([this, &ready] {
+      try {
+        engine_ = make_engine(depth_);
+      } catch (...) {
+        ready.set_exception(std::current_exception());
+        return;
+      }
+      ready.set_value();
+      loop();
+    });
+    try {
+      made.get();
+    } catch (...) {
+      thread_.join();
+      throw;
+    }
   }
 
   ~Worker() {
@@ -219,7 +239,12 @@ class Handle {
       req->inject_after = inject_after_;
       inject_errno_ = 0;
     }
-    open_files(*req, addr);
+    try {
+      open_files(*req, addr);
+    } catch (...) {
+      if (req->atomic && req->fd_buffered >= 0) ::unlink(req->io_path.c_str());
+      throw;
+    }
 
     char* buf = reinterpret_cast<char*>(addr);
     size_t head = 0, body = nbytes, tail = 0;

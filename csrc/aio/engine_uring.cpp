@@ -18,6 +18,7 @@ namespace {
 class UringEngine final : public Engine {
  public:
   explicit UringEngine(int depth) {
+    // Plain flags: SINGLE_ISSUER|DEFER_TASKRUN measured no faster here.
     int r = io_uring_queue_init(static_cast<unsigned>(depth), &ring_, 0);
     if (r < 0) throw std::system_error(-r, std::generic_category(), "io_uring_queue_init");
   }

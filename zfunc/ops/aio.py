@@ -31,13 +31,14 @@ block succeeded, and removed otherwise.
 from __future__ import annotations
 
 import ctypes
+import difflib
 import errno as _errno
 import math
 import os
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -142,8 +143,8 @@ def check_free_space(path: str | os.PathLike, nbytes: int) -> None:
     try:
         st = os.statvfs(directory)
     except FileNotFoundError:
-        raise FileNotFoundError(_errno.ENOENT, f"directory '{directory}' does not exist",
-                                path) from None
+        raise FileNotFoundError(_errno.ENOENT, f"No such file or directory: directory "
+                                               f"'{directory}' does not exist", path) from None
     free = st.f_bavail * st.f_frsize
     if nbytes > free:
         raise OSError(_errno.ENOSPC,
@@ -164,15 +165,22 @@ def _growth(path: str, offset: int, nbytes: int) -> int:
 # ---------------------------------------------------------- the Python back end
 
 class _PyRequest:
-    __slots__ = ("write", "atomic", "fsync", "path", "io_path", "fd", "nbytes", "offset",
-                 "futures")
+    __slots__ = ("write", "atomic", "fsync", "path", "io_path", "fd", "extra_fds", "nbytes",
+                 "offset", "futures")
 
     def __init__(self, write, atomic, fsync, path, nbytes, offset):
         self.write, self.atomic, self.fsync = write, atomic, fsync
         self.path, self.nbytes, self.offset = path, nbytes, offset
         self.io_path = path + ".partial" if atomic else path
         self.fd = -1
+        self.extra_fds: list[int] = []  # one per further stream: separate readahead state
         self.futures: list[Future] = []
+
+    def close(self) -> None:
+        for fd in [self.fd, *self.extra_fds]:
+            if fd >= 0:
+                os.close(fd)
+        self.fd, self.extra_fds = -1, []
 
 
 class _Failure(Exception):
@@ -186,8 +194,10 @@ def _describe(write: bool, nbytes: int, offset: int) -> str:
 
 
 class _PythonHandle:
-    """Same interface as the compiled ``Handle``: buffered pread/pwrite of
-    ``block_size`` pieces on a pool of ``thread_count * queue_depth`` threads."""
+    """Same interface as the compiled ``Handle``, in buffered I/O: each request is
+    cut into ``thread_count`` contiguous streams (each its own descriptor, so
+    kernel readahead sees sequential reads), moved ``block_size`` at a time on a
+    pool of ``thread_count * queue_depth`` threads shared by all requests."""
 
     backend = "python"
 
@@ -238,32 +248,55 @@ class _PythonHandle:
                                f"offset {offset}, the file has only {size} bytes")
         inject, self._inject = self._inject, None
         view = memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B") if nbytes else None
-        for start in range(0, nbytes, self.block_size):
-            n = min(self.block_size, nbytes - start)
-            fail = inject[0] if inject and start + n > inject[1] else 0
-            req.futures.append(self._pool.submit(
-                self._transfer, req.fd, write, view[start:start + n], offset + start, fail))
+        streams = min(self.thread_count, -(-nbytes // self.block_size))
+        if streams:
+            span = -(-nbytes // streams // self.block_size) * self.block_size
+            try:
+                for i, start in enumerate(range(0, nbytes, span)):
+                    fd = req.fd
+                    if i:
+                        fd = os.open(req.io_path, (os.O_WRONLY if write else os.O_RDONLY) |
+                                     os.O_CLOEXEC)
+                        req.extra_fds.append(fd)
+                    if not write:  # a larger readahead window for this stream
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    req.futures.append(self._pool.submit(
+                        self._transfer, fd, write, view[start:start + span], offset + start,
+                        self.block_size, inject and (inject[0], inject[1] - start)))
+            except OSError:
+                for f in req.futures:
+                    f.exception()  # nothing may still touch the buffer when we raise
+                req.close()
+                if req.atomic:
+                    os.unlink(req.io_path)
+                raise
         self._requests.append(req)
 
     @staticmethod
-    def _transfer(fd, write, view, offset, inject_errno):
+    def _transfer(fd, write, view, offset, block, inject):
+        """Move `view` to/from `offset`, `block` bytes per call; `inject` = (errno,
+        bytes that succeed first) for fault injection."""
         done, n = 0, len(view)
-        try:
-            if inject_errno:
-                raise OSError(inject_errno, os.strerror(inject_errno))
-            while done < n:
-                k = (os.pwrite(fd, view[done:], offset + done) if write
-                     else os.preadv(fd, [view[done:]], offset + done))
-                if k == 0:
-                    if write:
-                        raise OSError(_errno.EIO, os.strerror(_errno.EIO))
-                    raise _Failure(0, f"got {done} of {n} bytes at offset {offset} (end of file)",
-                                   eof=True)
-                done += k
-        except OSError as e:
-            raise _Failure(e.errno or _errno.EIO,
-                           f"{os.strerror(e.errno or _errno.EIO)} while "
-                           f"{_describe(write, n, offset)}") from None
+        while done < n:
+            k = min(block, n - done)
+            try:
+                if inject and done + k > inject[1]:
+                    raise OSError(inject[0], os.strerror(inject[0]))
+                got = 0
+                while got < k:
+                    r = (os.pwrite(fd, view[done + got:done + k], offset + done + got) if write
+                         else os.preadv(fd, [view[done + got:done + k]], offset + done + got))
+                    if r == 0:
+                        if write:
+                            raise OSError(_errno.EIO, os.strerror(_errno.EIO))
+                        raise _Failure(0, f"got {got} of {k} bytes at offset {offset + done} "
+                                          "(end of file)", eof=True)
+                    got += r
+            except OSError as e:
+                err = e.errno or _errno.EIO
+                raise _Failure(err, f"{os.strerror(err)} while "
+                                    f"{_describe(write, k, offset + done)}") from None
+            done += k
 
     def poll(self) -> int:
         return sum(1 for r in self._requests if not all(f.done() for f in r.futures))
@@ -280,7 +313,7 @@ class _PythonHandle:
             try:
                 failure = self._finish(req, failure)
             finally:
-                os.close(req.fd)
+                req.close()
             if failure is not None:
                 failures.append(failure)
         if failures:
@@ -378,6 +411,29 @@ class AsyncIO:
         self.check_space = bool(check_space)
         self._held: list[torch.Tensor] = []
         self._growing = 0  # bytes queued writes add, for the free-space check
+
+    _CONFIG_KEYS = ("block_size", "queue_depth", "thread_count", "intra_op_parallelism",
+                    "single_submit", "overlap_events", "use_gds")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, object], **kw) -> "AsyncIO":
+        """A handle from DeepSpeed's ``aio`` config section (``intra_op_parallelism``
+        is accepted as the newer name of ``thread_count``). Unknown keys raise,
+        naming the nearest valid one."""
+        args: dict[str, object] = {}
+        for key, value in config.items():
+            if key not in cls._CONFIG_KEYS:
+                near = difflib.get_close_matches(key, cls._CONFIG_KEYS, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(f"unknown aio config key {key!r}{hint} "
+                                 f"(valid: {', '.join(cls._CONFIG_KEYS)})")
+            if key == "use_gds":
+                if value:
+                    raise ValueError("aio.use_gds: GPUDirect Storage is not supported; "
+                                     "set it to false")
+                continue
+            args["thread_count" if key == "intra_op_parallelism" else key] = value
+        return cls(**args, **kw)
 
     def __repr__(self) -> str:
         return (f"AsyncIO(backend={self.backend!r}, block_size={self.block_size}, "
