@@ -7,11 +7,12 @@
 For each size and layout (one flat tensor, or ~200 tensors of mixed sizes) the
 buffers are made once; then every round runs each implementation once under
 each thread count (torch.set_num_threads, which the zfunc kernel and torch's
-kernels both follow), so all of them see the same machine state. Medians over
-the rounds are reported. Two single-pass kernels are timed in the same rounds
-as memory-bandwidth yardsticks, read + write counted: a copy (``dst.copy_(src)``;
-the CPU also reads ``dst`` before writing it, which is not counted) and an
-in-place pass (``buf.mul_(1.0)``, whose traffic is all counted, like Adam's).
+kernels both follow), in an order that rotates from round to round, so all of
+them see the same machine state. Medians over the rounds are reported. Two
+single-pass kernels are timed in the same rounds as memory-bandwidth
+yardsticks, read + write counted: a copy (``dst.copy_(src)``; the CPU also
+reads ``dst`` before writing it, which is not counted) and an in-place pass
+(``buf.mul_(1.0)``, whose traffic is all counted, like Adam's).
 
 fp32 AdamW (lr 1e-3, wd 0.01):
   zfunc.optim.adamw   the public path: adamw(...).update(grads, state, params) on a dict
@@ -145,10 +146,14 @@ def bench_case(n: int, layout: str, threads: list[int], reps: int, foreach: bool
     times = {(t, k): [] for t in threads for k in fns}
     saved = torch.get_num_threads()
     try:
+        keys = list(fns)
         for r in range(reps + 1):  # round 0 warms up: lazy state, page faults, first calls
             for t in threads:
                 torch.set_num_threads(t)
-                for key, fn in fns.items():
+                # rotate the order each round: no implementation always runs
+                # first after a thread-count switch or after the same neighbour
+                for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                    fn = fns[key]
                     prepare, fn = fn if isinstance(fn, tuple) else (None, fn)
                     if prepare is not None:
                         prepare()
