@@ -47,24 +47,69 @@ def rank(group=None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
 
 
-def all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
-    """Concatenate every rank's equally sized 1-D ``shard`` into one new tensor."""
+class Pending:
+    """A collective in flight: ``wait()`` returns its result (mean-scaled if asked)."""
+
+    __slots__ = ("out", "work", "divisor", "keep")
+
+    def __init__(self, out: torch.Tensor, work=None, divisor: int = 1, keep=None):
+        self.out, self.work, self.divisor, self.keep = out, work, divisor, keep
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.keep = None
+            if self.divisor != 1:
+                self.out.div_(self.divisor)
+        return self.out
+
+
+def all_gather_start(shard: torch.Tensor, group=None) -> Pending:
+    """Start concatenating every rank's equally sized 1-D ``shard`` into one new tensor."""
     w = world_size(group)
     if w == 1:
-        return shard
+        return Pending(shard)
+    shard = shard.contiguous()
     out = torch.empty(shard.numel() * w, dtype=shard.dtype, device=shard.device)
-    dist.all_gather_single(out, shard.contiguous(), group=group)
-    return out
+    return Pending(out, dist.all_gather_single(out, shard, group=group, async_op=True), keep=shard)
+
+
+def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
+    """Start filling ``full`` (1-D) from every rank's slice of it, where this rank's slice is already in place."""
+    w = world_size(group)
+    if w == 1:
+        return Pending(full)
+    n = full.numel() // w
+    mine = full[rank(group) * n : (rank(group) + 1) * n]
+    return Pending(full, dist.all_gather_single(full, mine, group=group, async_op=True))
+
+
+def all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
+    """Concatenate every rank's equally sized 1-D ``shard`` into one new tensor."""
+    return all_gather_start(shard, group).wait()
+
+
+def reduce_scatter_mean_start(full: torch.Tensor, group=None) -> Pending:
+    """Start the mean over ranks of ``full`` (1-D, length divisible by W), this rank's slice."""
+    w = world_size(group)
+    if w == 1:
+        return Pending(full)
+    full = full.contiguous()
+    out = torch.empty(full.numel() // w, dtype=full.dtype, device=full.device)
+    return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
 
 
 def reduce_scatter_mean(full: torch.Tensor, group=None) -> torch.Tensor:
     """Mean over ranks of ``full`` (1-D, length divisible by W), this rank's slice."""
+    return reduce_scatter_mean_start(full, group).wait()
+
+
+def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:
+    """Start the mean over ranks of ``t``, in place."""
     w = world_size(group)
     if w == 1:
-        return full
-    out = torch.empty(full.numel() // w, dtype=full.dtype, device=full.device)
-    dist.reduce_scatter_single(out, full.contiguous(), group=group)
-    return out.div_(w)
+        return Pending(t)
+    return Pending(t, dist.all_reduce(t, group=group, async_op=True), w)
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -75,12 +120,8 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Mean over ranks, in place; returns ``t``."""
-    w = world_size(group)
-    if w > 1:
-        dist.all_reduce(t, group=group)
-        t.div_(w)
-    return t
+    """Mean over ranks of ``t``, in place; returns ``t``."""
+    return all_reduce_mean_start(t, group).wait()
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:

@@ -7,8 +7,14 @@ all-reduce, mean over ranks) the moment autograd is done with the unit.
 
 Gathered buffers are never kept alive for backward: a saved-tensor hook
 replaces any saved view of one with a small handle, and the unpack hook
-re-gathers the unit (once per backward use; released when the unit's own
-backward runs).
+re-gathers the unit (once per backward; released when the unit's own backward
+runs).
+
+Communication overlaps compute: while a unit runs, the next unit's all-gather
+is already in flight (module order in forward, the reverse of the recorded
+forward order in backward), and gradient reductions are started
+asynchronously and waited for once backward is over. At most one unit is
+prefetched at a time, so ZeRO-3 keeps at most two units and the root whole.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from .tree import Params
 class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
-    __slots__ = ("index", "leaf", "anchor", "sharded_leaf", "grads_sharded", "group", "tracker")
+    __slots__ = ("index", "leaf", "anchor", "sharded_leaf", "grads_sharded", "group", "tracker", "uses", "pending")
 
     def __init__(self, index, leaf, sharded_leaf, grads_sharded, group, tracker, anchor=None):
         self.index = index
@@ -33,21 +39,39 @@ class _Unit:
         self.grads_sharded = grads_sharded
         self.group = group
         self.tracker = tracker
+        self.uses = 0  # Materialize calls in this forward
+        self.pending: dist.Pending | None = None  # a prefetched all-gather
 
     @property
     def gathers(self) -> bool:
         """Whether materializing makes a new buffer (a sharded leaf with W > 1)."""
         return self.sharded_leaf and dist.world_size(self.group) > 1
 
-    def gather(self, data: torch.Tensor) -> torch.Tensor:
-        return dist.all_gather(data, self.group) if self.sharded_leaf else data
+    def prefetch(self) -> None:
+        if self.gathers and self.pending is None:
+            self.pending = dist.all_gather_start(self.leaf.detach(), self.group)
+            self.tracker.allocated(self.pending.out)
+
+    def gather(self) -> torch.Tensor:
+        """The full flat buffer: the prefetched one if any, else gathered now."""
+        if not self.gathers:
+            return self.leaf.detach()
+        self.prefetch()
+        pending, self.pending = self.pending, None
+        return pending.wait()
 
     def reduce(self, grad_full: torch.Tensor) -> torch.Tensor:
-        if self.grads_sharded:  # stages 2 and 3: keep only this rank's slice
-            return dist.reduce_scatter_mean(grad_full, self.group)
-        if dist.world_size(self.group) == 1:
+        w = dist.world_size(self.group)
+        if w == 1:
             return grad_full
-        return dist.all_reduce_mean(grad_full.clone(), self.group)
+        if self.grads_sharded:  # stages 2 and 3: keep only this rank's slice
+            pending = dist.reduce_scatter_mean_start(grad_full, self.group)
+        else:
+            pending = dist.all_reduce_mean_start(grad_full.clone(), self.group)
+        if self.uses > 1:  # autograd will add this gradient to another: it must be final now
+            return pending.wait()
+        self.tracker.reducing(pending)
+        return pending.out
 
 
 class Materialize(torch.autograd.Function):
@@ -57,7 +81,7 @@ class Materialize(torch.autograd.Function):
 
     @staticmethod
     def forward(anchor: torch.Tensor, unit: _Unit) -> torch.Tensor:
-        full = unit.gather(unit.leaf.detach())
+        full = unit.gather()
         return full if full is not unit.leaf else full.view_as(full)
 
     @staticmethod
@@ -82,27 +106,33 @@ class _SavedView:
 
 
 class Tracker:
-    """Live gathered buffers of one forward/backward, and the peak bytes they reach."""
+    """Gathered buffers of one forward/backward: which are live, prefetches, peak bytes."""
 
     def __init__(self):
-        self.live: dict[int, tuple[_Unit, torch.Tensor]] = {}  # storage ptr -> unit, buffer
+        self.live: dict[int, _Unit] = {}  # storage ptr of a gathered buffer -> its unit
         self.backward_cache: dict[_Unit, torch.Tensor] = {}  # unit -> re-gathered buffer
+        self.order: list[_Unit] = []  # gathering units in the order forward first used them
+        self.reductions: list[dist.Pending] = []
+        self.units: list[_Unit] = []
         self.current = 0
         self.peak = 0
 
-    def _add(self, nbytes: int) -> None:
-        self.current += nbytes
+    def allocated(self, buf: torch.Tensor) -> None:
+        self.current += buf.numel() * buf.element_size()
         self.peak = max(self.peak, self.current)
+
+    def freed(self, buf: torch.Tensor) -> None:
+        self.current -= buf.numel() * buf.element_size()
 
     def gathered(self, unit: _Unit, buf: torch.Tensor) -> None:
         if unit.gathers:
-            self.live[buf.untyped_storage().data_ptr()] = (unit, buf)
-            self._add(buf.numel() * buf.element_size())
+            self.live[buf.untyped_storage().data_ptr()] = unit
+            if unit not in self.order:
+                self.order.append(unit)
 
-    def released(self, buf: torch.Tensor) -> None:
-        entry = self.live.pop(buf.untyped_storage().data_ptr(), None)
-        if entry is not None:
-            self.current -= buf.numel() * buf.element_size()
+    def released(self, unit: _Unit, buf: torch.Tensor) -> None:
+        if self.live.pop(buf.untyped_storage().data_ptr(), None) is not None:
+            self.freed(buf)
 
     def pack(self, t: torch.Tensor):
         if not self.live or t.layout != torch.strided:
@@ -111,10 +141,10 @@ class Tracker:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return t
-        entry = self.live.get(ptr)
-        if entry is None:
+        unit = self.live.get(ptr)
+        if unit is None:
             return t
-        return _SavedView(entry[0], t.size(), t.stride(), t.storage_offset())
+        return _SavedView(unit, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved):
         if not isinstance(saved, _SavedView):
@@ -123,27 +153,57 @@ class Tracker:
         buf = self.backward_cache.get(unit)
         if buf is None:
             with torch.no_grad():
-                buf = unit.gather(unit.leaf.detach())
+                buf = unit.gather()
             self.backward_cache[unit] = buf
-            self._add(buf.numel() * buf.element_size())
+            self._prefetch_before(unit)
         return buf.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _prefetch_before(self, unit: _Unit) -> None:
+        """Start gathering the unit forward used before ``unit``: backward needs it next."""
+        i = self.order.index(unit) if unit in self.order else 0
+        for earlier in reversed(self.order[:i]):
+            if earlier not in self.backward_cache:
+                earlier.prefetch()
+                return
 
     def release_backward(self, unit: _Unit) -> None:
         buf = self.backward_cache.pop(unit, None)
         if buf is not None:
-            self.current -= buf.numel() * buf.element_size()
+            self.freed(buf)
+
+    def reducing(self, pending: dist.Pending) -> None:
+        """Track a reduction in flight; at most two, so gradients do not pile up."""
+        if len(self.reductions) >= 2:
+            self.reductions.pop(0).wait()
+        self.reductions.append(pending)
+
+    def finish(self) -> None:
+        """Wait for the gradient reductions still in flight."""
+        for pending in self.reductions:
+            pending.wait()
+        self.reductions.clear()
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def close(self) -> None:
+        """Drop everything; wait for prefetches no one used (every rank issued them)."""
+        self.finish()
+        for unit in self.units:
+            if unit.pending is not None:
+                unit.pending.wait()
+                unit.pending = None
         self.backward_cache.clear()
         self.live.clear()
         self.current = 0
 
 
 class Units:
-    """Materializes the units of a ``Params`` node on demand, with reference counts."""
+    """Materializes the units of a ``Params`` node on demand, with reference counts.
+
+    With ``differentiable``, each unit gets an autograd anchor (``anchors``)
+    whose gradient is the unit's gradient in its home representation.
+    """
 
     def __init__(self, params: Params, tracker: Tracker, differentiable: bool = False):
         spec = params.spec
@@ -156,12 +216,14 @@ class Units:
             anchor = None
             if differentiable and place.grads_sharded and not sharded and w > 1:
                 anchor = torch.empty_strided((leaf.numel() // w,), (0,), dtype=leaf.dtype, device=leaf.device)
+                anchor.requires_grad_()
             elif differentiable:
                 leaf.requires_grad_()
             self.units.append(_Unit(i, leaf, sharded, place.grads_sharded, spec.group, tracker, anchor))
-            if anchor is not None:
-                anchor.requires_grad_()
         self.anchors = [u.anchor for u in self.units]
+        tracker.units.extend(self.units)
+        gathering = [u for u in self.units if u.gathers and u.leaf.numel()]
+        self._next = {a.index: b for a, b in zip(gathering, gathering[1:])}
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.refs: dict[int, int] = {}
@@ -172,8 +234,11 @@ class Units:
             if unit.leaf.numel() == 0:
                 full = unit.leaf
             else:
+                unit.uses += 1
                 full = Materialize.apply(unit.anchor, unit)
                 self.tracker.gathered(unit, full)
+                if index in self._next:
+                    self._next[index].prefetch()
             self.buffers[index] = full
             self.views[index] = self.spec.segment(index).unflatten(full)
             self.refs[index] = 0
@@ -184,7 +249,7 @@ class Units:
         self.refs[index] -= 1
         if self.refs[index] == 0:
             del self.views[index], self.refs[index]
-            self.tracker.released(self.buffers.pop(index))
+            self.tracker.released(self.units[index], self.buffers.pop(index))
 
     def release_all(self) -> None:
         for index in list(self.refs):

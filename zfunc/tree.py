@@ -52,7 +52,16 @@ class Segment:
     padded: int
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+        """Views of ``flat``, one per entry. One ``split`` makes them all, so the
+        gradient of the flat buffer is a single concatenation in backward, not a
+        full-size zero-filled tensor per entry as slicing would give."""
+        if not self.entries:
+            return {}
+        sizes = [e.numel for e in self.entries]
+        if flat.numel() > self.numel:
+            sizes.append(flat.numel() - self.numel)
+        chunks = flat.split(sizes)
+        return {e.name: c.view(e.shape) for e, c in zip(self.entries, chunks)}
 
 
 @dataclass(frozen=True)
@@ -311,10 +320,21 @@ class Params:
         return Params(replace(self.spec, sharded=tuple(sharded)), leaves)
 
     def from_local(self, local: "Params") -> "Params":
-        """Inverse of ``local``: all-gather slices back into full buffers where needed."""
-        leaves = []
+        """Inverse of ``local``: all-gather slices back into the full buffers, in place."""
+        r, w = dist.rank(self.group), dist.world_size(self.group)
+        leaves, pending = [], []
         for t, lt, held_shard, lheld in zip(self.leaves, local.leaves, self.spec.sharded, local.spec.sharded):
-            leaves.append(dist.all_gather(lt, self.group) if lheld and not held_shard else lt)
+            if lheld and not held_shard:
+                n = t.numel() // w
+                mine = t[r * n : (r + 1) * n]
+                if lt.data_ptr() != mine.data_ptr():  # the optimizer returned new tensors
+                    mine.copy_(lt)
+                pending.append(dist.all_gather_inplace_start(t, self.group))
+                leaves.append(t)
+            else:
+                leaves.append(lt)
+        for p in pending:
+            p.wait()
         return Params(self.spec, leaves)
 
 
