@@ -120,7 +120,22 @@ class DeepMLP(nn.Module):
         return self.out(x)
 
 
-MODELS = {"gpt": TiedGPT, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP}
+class CrossTied(nn.Module):
+    """One weight shared by two different units, and a unit nested inside another."""
+
+    def __init__(self, d: int = 5):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(3))
+        self.blocks[2][0].weight = self.blocks[0][0].weight
+        self.inner = nn.Sequential(nn.Linear(d, d), nn.ModuleList([nn.Linear(d, 2)]))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.inner[1][0](torch.tanh(self.inner[0](x)))
+
+
+MODELS = {"gpt": TiedGPT, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
 
 
 def build(name: str, seed: int = 0, **kw) -> nn.Module:

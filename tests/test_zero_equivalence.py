@@ -11,6 +11,7 @@ MODELS = {
     "gpt": {},
     "odd_mlp": {},
     "no_list": {},
+    "cross_tied": {},
 }
 
 
