@@ -391,8 +391,8 @@ class AsyncIO:
         if block_size % ALIGNMENT:
             raise ValueError(f"block_size must be a multiple of {ALIGNMENT}, got {block_size} "
                              f"(nearest: {max(1, round(block_size / ALIGNMENT)) * ALIGNMENT})")
-        if backend == "auto":
-            backend = available_backends()[0]
+        if backend == "auto":  # the first that works; later ones are not even built
+            backend = next(b for b in BACKENDS if b == "python" or _native(b) is not None)
         elif backend not in BACKENDS:
             raise ValueError(f"unknown aio backend {backend!r}; choose one of "
                              f"{', '.join(('auto',) + BACKENDS)}")
@@ -404,7 +404,13 @@ class AsyncIO:
             if module is None:
                 raise RuntimeError(f"aio backend {backend!r} is not available here: "
                                    f"{_status[backend][1]}; available: {available_backends()}")
-            self._impl = module.Handle(*args)
+            try:
+                self._impl = module.Handle(*args)
+            except RuntimeError as e:  # e.g. io_setup: EAGAIN past fs.aio-max-nr
+                raise RuntimeError(f"cannot create a {backend} aio handle with queue_depth "
+                                   f"{queue_depth} x thread_count {thread_count}: {e}; "
+                                   "use fewer handles, a smaller queue, or another "
+                                   "backend") from e
         self.backend = backend
         self.block_size, self.queue_depth, self.thread_count = block_size, queue_depth, thread_count
         self.single_submit, self.overlap_events = bool(single_submit), bool(overlap_events)
