@@ -10,6 +10,7 @@ same initial weights on the same synthetic batches, so they must reach the same
 loss: the table checks that, and says so loudly when they do not.
 """
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -18,9 +19,20 @@ import sys
 import tempfile
 import time
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zfunc as zf
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
+from _launch import launch  # noqa: E402
+from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
 
 MODES = {  # key -> description
     "local": "one process, W threads, global batch",
@@ -37,14 +49,13 @@ MODES = {  # key -> description
 
 
 def have_deepspeed():
-    import importlib.util
     return importlib.util.find_spec("deepspeed") is not None
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default=None, help=f"comma-separated, from {','.join(MODES)} "
-                   "(default: ddp,fsdp2,zero1,zero2,zero3, plus ds1,ds2,ds3 when deepspeed is installed)")
+                   "(default: ddp,fsdp2,zero0,zero1,zero2,zero3, plus ds1,ds2,ds3 when deepspeed is installed)")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=4)
@@ -71,7 +82,7 @@ def parse_args():
     if args.small:
         args.layers, args.width, args.heads, args.vocab, args.seq, args.steps, args.warmup = 2, 128, 4, 1024, 64, 5, 2
     if args.modes is None:
-        args.modes = "ddp,fsdp2,zero1,zero2,zero3" + (",ds1,ds2,ds3" if have_deepspeed() else "")
+        args.modes = "ddp,fsdp2,zero0,zero1,zero2,zero3" + (",ds1,ds2,ds3" if have_deepspeed() else "")
     args.modes = args.modes.split(",")
     for m in args.modes:
         if m not in MODES:
@@ -87,17 +98,12 @@ ADAM_IMPL = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop
 
 
 def torch_adamw(params, args):
-    import torch
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd, **ADAM_IMPL[args.torch_adam])
 
 
 def build(mode, model, args, world):
     """Returns train(x, y) -> loss tensor, one optimizer step, and whether that loss is
     already the global mean (zfunc) or this rank's own (the others)."""
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     def torch_train(module, opt):
         def train(x, y):
@@ -120,8 +126,6 @@ def build(mode, model, args, world):
         fully_shard(model, mesh=mesh)
         return torch_train(model, torch_adamw(model.parameters(), args)), False
     if mode.startswith("zero"):
-        import zfunc as zf
-
         def loss_fn(params, batch):
             x, y = batch
             return F.cross_entropy(zf.apply(model, params, x).flatten(0, 1), y.flatten())
@@ -161,11 +165,6 @@ def current_rss_bytes():
 
 
 def worker(args):
-    import torch
-    import torch.distributed as dist
-    from gpt import GPT, GPTConfig, num_params, rank_generator
-
-    import torch.distributed.fsdp, torch.nn.parallel  # noqa: F401, E401  (in the RSS baseline of every mode)
     mode = args.worker
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if mode == "local":
@@ -175,7 +174,6 @@ def worker(args):
             import deepspeed
             deepspeed.init_distributed(dist_backend="gloo")
         elif mode.startswith("zero"):
-            import zfunc as zf
             zf.dist.init()
         else:
             dist.init_process_group("gloo")
@@ -221,7 +219,6 @@ def worker(args):
 
 
 def run_mode(mode, args, tmp, repeat):
-    from _launch import launch
     world = 1 if mode == "local" else args.world
     threads = args.threads * args.world if mode == "local" else args.threads
     result = os.path.join(tmp, f"{mode}.{repeat}")
@@ -279,7 +276,6 @@ def table(results, args):
 
 
 def main(args):
-    import torch
     failed = []
     results = {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="zero_vs_fsdp.") as tmp:
