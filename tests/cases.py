@@ -31,17 +31,21 @@ def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | N
     return step
 
 
-def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2, seed: int = 0,
-              units=None, threshold: int = 0, clip: float | None = None) -> dict:
-    """``steps`` zfunc steps on this rank's part of each global batch."""
-    rank, world = zf.dist.rank(), zf.dist.world_size()
+def _setup(name: str, kw: dict, seed: int):
+    """This rank, the world size, the model, an untouched twin (for batch shapes), its loss."""
     model = build(name, seed, **kw)
-    shape_model = copy.deepcopy(model)
 
     def loss_fn(params, b):
         x, y = b
         return loss(name, zf.apply(model, params, x), y)
 
+    return zf.dist.rank(), zf.dist.world_size(), model, copy.deepcopy(model), loss_fn
+
+
+def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2, seed: int = 0,
+              units=None, threshold: int = 0, clip: float | None = None) -> dict:
+    """``steps`` zfunc steps on this rank's part of each global batch."""
+    rank, world, model, shape_model, loss_fn = _setup(name, kw, seed)
     step = compose(stage, loss_fn, units, threshold, clip)
     state = step.init(model)
     losses, grad_bytes, peak = [], [], []
@@ -103,14 +107,7 @@ def run_ddp(name: str, kw: dict, steps: int = 3, per_rank: int = 2, seed: int = 
 
 def run_research_step(name: str, kw: dict, steps: int = 3, per_rank: int = 2, seed: int = 0) -> dict:
     """A hand-written step from value_and_grad and an optimizer, on zero3-sharded params."""
-    rank, world = zf.dist.rank(), zf.dist.world_size()
-    model = build(name, seed, **kw)
-    shape_model = copy.deepcopy(model)
-
-    def loss_fn(params, b):
-        x, y = b
-        return loss(name, zf.apply(model, params, x), y)
-
+    rank, world, model, shape_model, loss_fn = _setup(name, kw, seed)
     opt = zf.optim.adamw(LR, weight_decay=0.01)
     state = zf.zero3(zf.train_step(loss_fn, opt)).init(model)
     params, opt_state = state.params, state.opt_state

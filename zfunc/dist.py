@@ -11,9 +11,6 @@ import os
 import torch
 import torch.distributed as dist
 
-Group = "dist.ProcessGroup | None"
-
-
 def init(backend: str | None = None) -> None:
     """Start the default process group from torchrun's environment, if any.
 

@@ -191,17 +191,13 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
             tracker.close()
         spec = _grad_spec(params.spec)
         grads = [
-            g if g is not None else torch.zeros(spec.segment(i).padded // (_world(spec) if spec.sharded[i] else 1),
+            g if g is not None else torch.zeros(spec.segment(i).padded // (spec.model.world if spec.sharded[i] else 1),
                                                 dtype=leaf.dtype, device=leaf.device)
             for i, (g, leaf) in enumerate(zip(grads, leaves))
         ]
         return loss.detach(), aux, Params(spec, grads), peak
 
     return run
-
-
-def _world(spec: ParamsSpec) -> int:
-    return spec.model.world
 
 
 def _plain_value_and_grad(loss_fn, has_aux, params, batch):

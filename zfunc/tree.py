@@ -18,16 +18,13 @@ from __future__ import annotations
 import difflib
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from . import dist
 from .pytree import register_node
-
-UnitPolicy = "None | Sequence[str] | Callable[[str, nn.Module], bool]"
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -276,9 +273,6 @@ class Params:
             for u, s, t in zip(self.spec.model.units, self.spec.sharded, self.leaves)
         )
         return f"Params({units})"
-
-    def with_leaves(self, leaves: Iterable[torch.Tensor]) -> "Params":
-        return Params(self.spec, leaves)
 
     @property
     def group(self):
