@@ -10,9 +10,12 @@ each thread count (torch.set_num_threads, which the zfunc kernel and torch's
 kernels both follow), in an order that rotates from round to round, so all of
 them see the same machine state. Medians over the rounds are reported. Two
 single-pass kernels are timed in the same rounds as memory-bandwidth
-yardsticks, read + write counted: a copy (``dst.copy_(src)``; the CPU also
-reads ``dst`` before writing it, which is not counted) and an in-place pass
-(``buf.mul_(1.0)``, whose traffic is all counted, like Adam's).
+yardsticks, read + write counted: a copy with streaming stores
+(csrc/bench/stream_copy.cpp: the destination is written without first being
+read into the cache, so the 8 bytes counted per element are all the bytes
+moved; ``dst.copy_(src)`` also reads ``dst``, 12 bytes moved for 8 counted,
+and stands in only where the kernel cannot be built) and an in-place pass
+(``buf.mul_(1.0)``, read and write of the same lines, like Adam's).
 
 fp32 AdamW (lr 1e-3, wd 0.01):
   zfunc.optim.adamw   the public path: adamw(...).update(grads, state, params) on a dict
@@ -138,7 +141,7 @@ def bench_case(n: int, layout: str, threads: list[int], reps: int, foreach: bool
     fns = {("fp32", "zfunc.optim.adamw"): public, ("fp32", "adam_update_"): direct,
            ("fp32", "torch fused"): torch_fused, ("fp32", "torch foreach"): torch_foreach,
            ("mixed", "zfunc fused"): ours_mixed, ("mixed", "torch way"): (restore_grads, torch_mixed),
-           ("yard", "copy"): lambda: yard["dst"].copy_(yard["src"]),
+           ("yard", "copy"): lambda: yard["copy"](yard["dst"], yard["src"]),
            ("yard", "in-place"): lambda: yard["src"].mul_(1.0)}
     if not foreach:
         del fns[("fp32", "torch foreach")]
@@ -244,8 +247,11 @@ def main() -> None:
 
     kernel = cpu_adam.load()
     row = next(r for r in builder.report() if r["name"] == cpu_adam.NAME)
+    streaming = builder.load("bench_stream_copy", ["bench/stream_copy.cpp"])
     yard = {"src": torch.rand(COPY_N)}
     yard["dst"] = torch.empty_like(yard["src"])
+    yard["copy"] = (streaming.stream_copy if streaming is not None
+                    else lambda dst, src: dst.copy_(src))
     rows = []
     t0 = time.perf_counter()
     for n in sizes:
@@ -256,6 +262,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"torch {torch.__version__}; zfunc cpu_adam kernel: "
           f"{'built' if kernel is not None else 'NOT built (' + row['reason'] + ')'}; "
+          f"copy yardstick: {'streaming stores' if streaming is not None else 'dst.copy_(src)'}; "
           f"{args.reps} rounds")
     print()
     print(fmt_rows(sorted(rows, key=lambda r: (r["kind"], r["threads"])), args.stat))
