@@ -57,6 +57,9 @@ def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2
         peak.append(metrics["peak_materialized_bytes"])
     evaluate = {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: lambda s: zf.zero3(s, units=units, persistence_threshold=threshold)}[stage](zf.eval_step(loss_fn))
     eval_b = local(batch(name, shape_model, steps, per_rank * world, seed), rank, world)
+    # eval first: it reads the state straight out of the step, with stage 1/2
+    # all-gathers still in flight, each unit waited for only when first used
+    eval_loss = evaluate(state, eval_b)["loss"].item()
     return {
         "params": zf.gather_params(state),
         "buffers": {k: v.clone() for k, v in state.buffers.items()},
@@ -64,9 +67,21 @@ def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2
         "grad_bytes": grad_bytes,
         "peak": max(peak),
         "losses": losses,
-        "eval_loss": evaluate(state, eval_b)["loss"].item(),
+        "eval_loss": eval_loss,
         "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],
     }
+
+
+def gathers_in_flight(name: str, stage: int, per_rank: int = 2) -> dict:
+    """One step; which units were still being all-gathered when it returned,
+    then the leaves once flattening has waited for them."""
+    rank, world, model, shape_model, loss_fn = _setup(name, {}, 0)
+    step = compose(stage, loss_fn)
+    state = step.init(model)
+    state, _ = step(state, local(batch(name, shape_model, 0, per_rank * world, 0), rank, world))
+    in_flight = sorted(state.params._filling)
+    leaves = [t.clone() for t in zf.pytree.tree_leaves(state.params)]
+    return {"in_flight": in_flight, "left": len(state.params._filling), "leaves": leaves}
 
 
 def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: int = 0, clip: float | None = None) -> dict:

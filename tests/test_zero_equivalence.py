@@ -1,7 +1,7 @@
 """zero1/2/3 at W = 1, 2, 3 equal plain PyTorch on the global batch (DESIGN.md §3)."""
 import pytest
 
-from cases import reference, run_ddp, run_zfunc
+from cases import gathers_in_flight, reference, run_ddp, run_zfunc
 from workers import workers
 from zfunc.testing import assert_trees_all_close
 
@@ -58,3 +58,14 @@ def test_clip_by_global_norm_covers_sharded_gradients(world):
     for stage in (1, 2, 3):
         for r in workers(world).run(run_zfunc, "gpt", {}, stage, 3, 2, 0, None, 0, 0.05):
             assert_close_to(r["params"], expected["params"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_1_2_gathers_finish_before_anyone_reads(stage):
+    """The post-update all-gathers are left running when the step returns
+    (the next forward overlaps them); flattening the params waits for all."""
+    results = workers(2).run(gathers_in_flight, "odd_mlp", stage)
+    for r in results:
+        assert r["in_flight"], "no all-gather was left to overlap the next forward"
+        assert r["left"] == 0
+    assert_trees_all_close(results[0]["leaves"], results[1]["leaves"], rtol=0, atol=0)

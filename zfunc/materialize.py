@@ -29,11 +29,13 @@ from .tree import Params
 class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
-    __slots__ = ("index", "leaf", "anchor", "sharded_leaf", "grads_sharded", "group", "tracker", "uses", "pending")
+    __slots__ = ("index", "leaf", "ready", "anchor", "sharded_leaf", "grads_sharded", "group", "tracker", "uses",
+                 "pending")
 
-    def __init__(self, index, leaf, sharded_leaf, grads_sharded, group, tracker, anchor=None):
+    def __init__(self, index, leaf, ready, sharded_leaf, grads_sharded, group, tracker, anchor=None):
         self.index = index
         self.leaf = leaf
+        self.ready = ready  # returns once the leaf's values are complete (Params.leaf_when_ready)
         self.anchor = leaf if anchor is None else anchor
         self.sharded_leaf = sharded_leaf
         self.grads_sharded = grads_sharded
@@ -55,6 +57,7 @@ class _Unit:
     def gather(self) -> torch.Tensor:
         """The full flat buffer: the prefetched one if any, else gathered now."""
         if not self.gathers:
+            self.ready()
             return self.leaf.detach()
         self.prefetch()
         pending, self.pending = self.pending, None
@@ -211,7 +214,8 @@ class Units:
         self.tracker = tracker
         w = dist.world_size(spec.group)
         self.units = []
-        for i, (leaf, sharded, place) in enumerate(zip(params.leaves, spec.sharded, spec.placements)):
+        for i, (sharded, place) in enumerate(zip(spec.sharded, spec.placements)):
+            leaf, ready = params.leaf_when_ready(i)
             leaf = leaf.detach()
             anchor = None
             if differentiable and place.grads_sharded and not sharded and w > 1:
@@ -219,7 +223,7 @@ class Units:
                 anchor.requires_grad_()
             elif differentiable:
                 leaf.requires_grad_()
-            self.units.append(_Unit(i, leaf, sharded, place.grads_sharded, spec.group, tracker, anchor))
+            self.units.append(_Unit(i, leaf, ready, sharded, place.grads_sharded, spec.group, tracker, anchor))
         self.anchors = [u.anchor for u in self.units]
         tracker.units.extend(self.units)
         gathering = [u for u in self.units if u.gathers and u.leaf.numel()]

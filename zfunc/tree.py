@@ -259,18 +259,42 @@ class Params:
 
     A pytree node (optree namespace ``zfunc`` and torch's pytree); its leaves
     are the tensors, its static data the ``ParamsSpec``.
+
+    A full buffer may still be filling from an all-gather that ``from_local``
+    started (stages 1 and 2 after an update): ``leaves`` (and so flattening)
+    waits for every such gather, while the next step's forward waits for each
+    unit only when it first uses it (``leaf_when_ready``), so the gathers
+    overlap that forward as DDP's all-reduce overlaps backward.
     """
 
-    __slots__ = ("spec", "leaves")
+    __slots__ = ("spec", "_leaves", "_filling")
 
-    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor]):
+    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor], filling=None):
         self.spec = spec
-        self.leaves = tuple(leaves)
+        self._leaves = tuple(leaves)
+        self._filling: dict[int, dist.Pending] = dict(filling or {})  # unit -> all-gather in flight
+
+    @property
+    def leaves(self) -> tuple[torch.Tensor, ...]:
+        """The tensors, complete (waits for all-gathers still filling them)."""
+        while self._filling:
+            self._filling.popitem()[1].wait()
+        return self._leaves
+
+    def leaf_when_ready(self, unit: int):
+        """``(leaf, wait)``: unit ``unit``'s tensor and a function that returns
+        once it is complete; use the tensor's values only after calling it."""
+        return self._leaves[unit], lambda: self._wait(unit)
+
+    def _wait(self, unit: int) -> None:
+        pending = self._filling.pop(unit, None)
+        if pending is not None:
+            pending.wait()
 
     def __repr__(self) -> str:
         units = ", ".join(
             f"{u.name or '<root>'}:{'shard' if s else 'full'}[{t.numel()}]"
-            for u, s, t in zip(self.spec.model.units, self.spec.sharded, self.leaves)
+            for u, s, t in zip(self.spec.model.units, self.spec.sharded, self._leaves)
         )
         return f"Params({units})"
 
@@ -279,7 +303,7 @@ class Params:
         return self.spec.group
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.leaves)
+        return sum(t.numel() * t.element_size() for t in self._leaves)
 
     def sum_of_squares(self) -> torch.Tensor:
         """Whole-model sum of squares: shards are summed across the group."""
@@ -314,22 +338,27 @@ class Params:
         return Params(replace(self.spec, sharded=tuple(sharded)), leaves)
 
     def from_local(self, local: "Params") -> "Params":
-        """Inverse of ``local``: all-gather slices back into the full buffers, in place."""
+        """Inverse of ``local``: all-gather slices back into the full buffers, in place.
+
+        Returns at once: the gathers fill the buffers in the background (see
+        the class docstring for who waits for them).
+        """
         r, w = dist.rank(self.group), dist.world_size(self.group)
-        leaves, pending = [], []
-        for t, lt, held_shard, lheld in zip(self.leaves, local.leaves, self.spec.sharded, local.spec.sharded):
+        leaves, filling = [], {}
+        for i, (t, lt, held_shard, lheld) in enumerate(
+            zip(self.leaves, local.leaves, self.spec.sharded, local.spec.sharded)
+        ):
             if lheld and not held_shard:
                 n = t.numel() // w
                 mine = t[r * n : (r + 1) * n]
                 if lt.data_ptr() != mine.data_ptr():  # the optimizer returned new tensors
                     mine.copy_(lt)
-                pending.append(dist.all_gather_inplace_start(t, self.group))
+                if w > 1:
+                    filling[i] = dist.all_gather_inplace_start(t, self.group)
                 leaves.append(t)
             else:
                 leaves.append(lt)
-        for p in pending:
-            p.wait()
-        return Params(self.spec, leaves)
+        return Params(self.spec, leaves, filling)
 
 
 register_node(Params, lambda p: (p.leaves, p.spec), lambda spec, leaves: Params(spec, leaves))
