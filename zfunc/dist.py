@@ -45,19 +45,25 @@ def rank(group=None) -> int:
 
 
 class Pending:
-    """A collective in flight: ``wait()`` returns its result (mean-scaled if asked)."""
+    """A collective in flight: ``wait()`` returns its result (mean-scaled if asked).
 
-    __slots__ = ("out", "work", "divisor", "keep")
+    ``out`` exists from the start and is filled by the time ``wait()``
+    returns; ``finish`` (if given) runs after the collective to fill it.
+    """
 
-    def __init__(self, out: torch.Tensor, work=None, divisor: int = 1, keep=None):
-        self.out, self.work, self.divisor, self.keep = out, work, divisor, keep
+    __slots__ = ("out", "work", "divisor", "keep", "finish")
+
+    def __init__(self, out: torch.Tensor, work=None, divisor: int = 1, keep=None, finish=None):
+        self.out, self.work, self.divisor, self.keep, self.finish = out, work, divisor, keep, finish
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
-            self.work = self.keep = None
-            if self.divisor != 1:
+            if self.finish is not None:
+                self.finish()
+            elif self.divisor != 1:
                 self.out.div_(self.divisor)
+            self.work = self.keep = self.finish = None
         return self.out
 
 
@@ -86,13 +92,24 @@ def all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
     return all_gather_start(shard, group).wait()
 
 
-def reduce_scatter_mean_start(full: torch.Tensor, group=None) -> Pending:
-    """Start the mean over ranks of ``full`` (1-D, length divisible by W), this rank's slice."""
+def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool = False) -> Pending:
+    """Start the mean over ranks of ``full`` (1-D, length divisible by W), this rank's slice.
+
+    With ``scratch`` the caller gives up ``full``: under gloo it is then
+    all-reduced in place and sliced, which moves twice the bytes of a
+    reduce-scatter yet takes about half the time (gloo's reduce-scatter
+    copies its input first and has a slower algorithm).
+    """
     w = world_size(group)
     if w == 1:
         return Pending(full)
     full = full.contiguous()
-    out = torch.empty(full.numel() // w, dtype=full.dtype, device=full.device)
+    n = full.numel() // w
+    out = torch.empty(n, dtype=full.dtype, device=full.device)
+    if scratch and dist.get_backend(group) == "gloo":
+        mine = full[rank(group) * n : (rank(group) + 1) * n]
+        return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full,
+                       finish=lambda: torch.div(mine, w, out=out))
     return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
 
 

@@ -67,10 +67,11 @@ class _Unit:
         w = dist.world_size(self.group)
         if w == 1:
             return grad_full
+        # grad_full is ours (Unflatten's backward made it): reduce it in place
         if self.grads_sharded:  # stages 2 and 3: keep only this rank's slice
-            pending = dist.reduce_scatter_mean_start(grad_full, self.group)
+            pending = dist.reduce_scatter_mean_start(grad_full, self.group, scratch=True)
         else:
-            pending = dist.all_reduce_mean_start(grad_full.clone(), self.group)
+            pending = dist.all_reduce_mean_start(grad_full, self.group)
         if self.uses > 1:  # autograd will add this gradient to another: it must be final now
             return pending.wait()
         self.tracker.reducing(pending)
@@ -96,6 +97,48 @@ class Materialize(torch.autograd.Function):
         unit: _Unit = ctx.unit
         unit.tracker.release_backward(unit)
         return unit.reduce(grad_full), None
+
+
+class Unflatten(torch.autograd.Function):
+    """A unit's flat buffer to one view per parameter (``Segment.unflatten``).
+
+    Backward writes the parameters' gradients into one new flat buffer (zeros
+    where a parameter got none, and in the padding). The unit's reduction
+    then owns that buffer and reduces it in place; autograd's own backward
+    of ``split`` would give a buffer it might share.
+    """
+
+    @staticmethod
+    def forward(flat: torch.Tensor, segment) -> tuple[torch.Tensor, ...]:
+        return tuple(segment.unflatten(flat).values())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        flat, ctx.segment = inputs
+        ctx.flat = (flat.numel(), flat.dtype, flat.device)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        numel, dtype, device = ctx.flat
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        offset = 0
+        for entry, g in zip(ctx.segment.entries, grads):
+            dst = flat[offset : offset + entry.numel]
+            if g is None:
+                dst.zero_()
+            else:
+                dst.view(entry.shape).copy_(g)
+            offset += entry.numel
+        flat[offset:].zero_()
+        return flat, None
+
+
+def unflatten(segment, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``segment.unflatten(full)``, through ``Unflatten`` when gradients flow."""
+    if not (segment.entries and full.requires_grad and torch.is_grad_enabled()):
+        return segment.unflatten(full)
+    return dict(zip((e.name for e in segment.entries), Unflatten.apply(full, segment)))
 
 
 @dataclass
@@ -244,7 +287,7 @@ class Units:
                 if index in self._next:
                     self._next[index].prefetch()
             self.buffers[index] = full
-            self.views[index] = self.spec.segment(index).unflatten(full)
+            self.views[index] = unflatten(self.spec.segment(index), full)
             self.refs[index] = 0
         self.refs[index] += 1
         return self.views[index]
