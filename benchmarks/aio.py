@@ -10,6 +10,9 @@ configuration in turn, rotating the order), medians reported:
 * fio (``--direct=1``, io_uring and libaio engines), when installed;
 * plain Python unbuffered file I/O, 8 MiB chunks, write + fsync.
 
+Each tool moves its own allocator's buffer, as its users would: zfunc's
+``aio.aligned_empty`` (transparent huge pages for large buffers), DeepSpeed's
+page-locked tensor (``--shared-buffer``: every tool uses DeepSpeed's).
 Every tool writes a fresh file (deleted first; ``--overwrite``: rewrites one
 existing file, as a reused swap file) with O_DIRECT and, unless ``--fsync``
 is given, no final fsync (the Python row always fsyncs: its writes
@@ -216,6 +219,9 @@ def main(argv=None) -> None:
     ap.add_argument("--overwrite", action="store_true",
                     help="overwrite one existing file (as a reused swap file) instead of "
                          "writing a fresh one each time")
+    ap.add_argument("--shared-buffer", action="store_true",
+                    help="every tool uses DeepSpeed's locked buffer (default: each its own "
+                         "allocator's; zfunc's aligned_empty uses huge pages)")
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--json", default=None, help="also write raw results here")
@@ -253,16 +259,28 @@ def main(argv=None) -> None:
                 tools.append((f"fio {engine}", fio_tool(engine, size, args.fsync), True))
     tools.append(("python 8 MiB", python_tool(), False))
 
+    # Each tool transfers from and to its own allocator's buffer, as its users
+    # would: zfunc's aio.aligned_empty (huge pages), DeepSpeed's locked tensor
+    # (its handle bounces through a fresh locked copy otherwise). With
+    # --shared-buffer every tool uses DeepSpeed's (or, without it, zfunc's).
     ds = next((run for name, run, _ in tools if name == "deepspeed"), None)
+    ds_buf = None
     if ds is not None:
-        # one buffer for every tool, locked so DeepSpeed's handle does direct I/O
-        buf, keep_alive = ds.locked_buffer(size)
-        if buf.data_ptr() % aio.ALIGNMENT:
+        ds_buf, keep_alive = ds.locked_buffer(size)
+        if ds_buf.data_ptr() % aio.ALIGNMENT:
             notes.append("DeepSpeed's locked buffer is not page aligned")
-    else:
-        buf = aio.aligned_empty(size)
-    buf.view(torch.int64)[: size // 8].copy_(torch.arange(size // 8, dtype=torch.int64))
-    sampler = Sampler(buf)
+    own = ds_buf if args.shared_buffer and ds_buf is not None else aio.aligned_empty(size)
+    pattern = torch.arange(size // 8, dtype=torch.int64)
+    buffers = {}
+    for buf in {id(b): b for b in (own, ds_buf) if b is not None}.values():
+        buf.view(torch.int64)[: size // 8].copy_(pattern)
+        buffers[id(buf)] = (buf, Sampler(buf))
+    del pattern
+
+    def buffer_of(name):
+        return buffers[id(ds_buf if name == "deepspeed" else own)]
+
+    buf = own
     if args.overwrite:
         with aio.AsyncIO(backend=aio.available_backends()[0], check_space=False) as io:
             io.pwrite(buf, path, fsync=True)
@@ -271,7 +289,8 @@ def main(argv=None) -> None:
     times: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     print(f"# {fmt_size(size)} file in {args.dir}, {args.repeats} repetitions, "
           f"thread_count {args.threads}, fsync {'on' if args.fsync else 'off'}, "
-          f"{'overwriting one file' if args.overwrite else 'fresh file per write'}", flush=True)
+          f"{'overwriting one file' if args.overwrite else 'fresh file per write'}, "
+          f"{'one shared buffer' if args.shared_buffer else 'each tool its own buffer'}", flush=True)
     for rep in range(args.repeats):
         for ci, (bs, qd) in enumerate(configs):
             k = (rep + ci) % len(tools)
@@ -279,7 +298,8 @@ def main(argv=None) -> None:
                 if not per_config and ci > 0:
                     continue
                 key = (name, bs, qd) if per_config else (name, 0, 0)
-                w, r = run(buf, path, bs, qd, sampler)
+                tool_buf, sampler = buffer_of(name)
+                w, r = run(tool_buf, path, bs, qd, sampler)
                 times.setdefault(key, []).append((w, r))
                 print(f"  rep {rep} {name:16s} bs {fmt_size(bs) if per_config else '-':7s} "
                       f"qd {qd if per_config else '-':>2}: write {size / w / GB:5.2f} GB/s, "

@@ -64,6 +64,19 @@ def test_aligned_empty():
         assert t.shape == ((shape,) if isinstance(shape, int) else shape)
 
 
+def test_aligned_empty_large_buffers_start_on_a_huge_page():
+    huge = aio._huge_page_size()
+    for shape, dtype in [(4 * huge + 5, torch.uint8), ((3, huge + 1), torch.float32)]:
+        t = aio.aligned_empty(shape, dtype, pin_memory=False)
+        assert t.data_ptr() % (huge or aio.ALIGNMENT) == 0
+        assert t.dtype == dtype and t.is_contiguous() and t.shape == ((shape,) if isinstance(shape, int) else shape)
+        t.fill_(7)  # the advised range is all ours: writing every byte is fine
+        assert int(t.view(-1)[-1]) == 7
+    small = aio.aligned_empty(4 * 4096, pin_memory=False)
+    big_plain = aio.aligned_empty(max(4 * huge, 1 << 23), huge_pages=False, pin_memory=False)
+    assert small.data_ptr() % aio.ALIGNMENT == 0 and big_plain.data_ptr() % aio.ALIGNMENT == 0
+
+
 # ------------------------------------------------------------------ round trips
 
 layouts = st.lists(st.tuples(st.integers(0, 70_000),   # gap before the region
@@ -123,7 +136,7 @@ def test_large_multi_thread_round_trip(tmp, backend):
     with aio.AsyncIO(block_size=256 * KiB, queue_depth=4, thread_count=3, backend=backend) as io:
         io.pwrite(x, path)
         io.wait()
-        y = torch.empty_like(x)
+        y = aio.aligned_empty(x.shape, x.dtype)  # huge pages where the kernel has them
         io.pread(y, path)
         # a byte slice of a tensor, at an unaligned file offset
         part = torch.zeros(1000 * 4 + 3, dtype=torch.uint8)
