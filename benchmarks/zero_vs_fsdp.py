@@ -76,6 +76,7 @@ def parse_args():
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before its processes are killed")
     p.add_argument("--small", action="store_true", help="tiny model and few steps, for smoke testing")
     p.add_argument("--json", default=None, help="also write all raw results here")
+    p.add_argument("--from-json", default=None, help="print the table of an earlier --json run and exit")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one mode on this rank
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -237,7 +238,7 @@ def run_mode(mode, args, tmp, repeat):
     for r in range(world):
         with open(f"{result}.rank{r}.json") as f:
             ranks.append(json.load(f))
-    out = dict(mode=mode, params=ranks[0]["params"], median_step_s=ranks[0]["median_step_s"],
+    out = dict(mode=mode, repeat=repeat, params=ranks[0]["params"], median_step_s=ranks[0]["median_step_s"],
                peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
                peak_above_baseline_bytes=max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
                final_loss=ranks[0]["losses"][-1], ranks=ranks)
@@ -256,9 +257,19 @@ def table(results, args):
     base = "fsdp2" if "fsdp2" in summary else modes[0]
     ref = "local" if "local" in summary else ("ddp" if "ddp" in summary else modes[0])
     b, mismatches = summary[base], []
-    lines = [f"| mode | median step s | time / {base} | peak RSS per rank | RSS / {base} | peak above baseline | "
+
+    def time_ratio(m, other):
+        """Median over repeats of m's step time / other's in the same repeat: the
+        machine drifts between repeats more than modes differ within one."""
+        t = {o: {r.get("repeat", i): r["median_step_s"] for i, r in enumerate(results[o])} for o in (m, other)}
+        common = sorted(set(t[m]) & set(t[other]))
+        return statistics.median(t[m][k] / t[other][k] for k in common) if common else float("nan")
+
+    ddp = "ddp" if "ddp" in summary and base != "ddp" else None
+    lines = [f"| mode | median step s | time / {base} |" + (" time / ddp |" if ddp else "")
+             + f" peak RSS per rank | RSS / {base} | peak above baseline | "
              f"above / {base} | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | --- |"]
     for m in modes:
         s = summary[m]
         rel = abs(s["loss"] - summary[ref]["loss"]) / abs(summary[ref]["loss"])
@@ -267,7 +278,8 @@ def table(results, args):
             mismatches.append(f"{MODES[m]} reached {s['loss']:.8f}, {ref} {summary[ref]['loss']:.8f}: "
                               f"relative difference {rel:.2e} > {args.tolerance:g}")
         spread = "" if len(s["all_step_s"]) == 1 else f" ({min(s['all_step_s']):.3f}-{max(s['all_step_s']):.3f})"
-        lines.append(f"| {MODES[m]} | {s['step_s']:.3f}{spread} | {s['step_s'] / b['step_s']:.2f} | {s['rss'] / 1e9:.2f} GB | "
+        lines.append(f"| {MODES[m]} | {s['step_s']:.3f}{spread} | {time_ratio(m, base):.2f} |"
+                     + (f" {time_ratio(m, ddp):.2f} |" if ddp else "") + f" {s['rss'] / 1e9:.2f} GB | "
                      f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
     for m in modes:  # a rerun of the same mode must give the same loss too
         if len({r["final_loss"] for r in results[m]}) > 1:
@@ -277,15 +289,21 @@ def table(results, args):
 
 def main(args):
     failed = []
-    results = {m: [] for m in args.modes}
-    with tempfile.TemporaryDirectory(prefix="zero_vs_fsdp.") as tmp:
-        for repeat in range(args.repeats):
-            for mode in args.modes:
-                out = run_mode(mode, args, tmp, repeat)
-                if out is None:
-                    failed.append((mode, repeat))
-                else:
-                    results[mode].append(out)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        args = argparse.Namespace(**{**saved["args"], "json": None})
+        results = saved["results"]
+    else:
+        results = {m: [] for m in args.modes}
+        with tempfile.TemporaryDirectory(prefix="zero_vs_fsdp.") as tmp:
+            for repeat in range(args.repeats):
+                for mode in args.modes:
+                    out = run_mode(mode, args, tmp, repeat)
+                    if out is None:
+                        failed.append((mode, repeat))
+                    else:
+                        results[mode].append(out)
     if not any(results.values()):
         sys.exit("every mode failed")
     text, summary, mismatches = table(results, args)

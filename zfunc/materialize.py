@@ -4,6 +4,8 @@
 stored leaf (a shard, or the full buffer) into the full flat buffer; backward
 reduces the full gradient back to the leaf's representation (reduce-scatter or
 all-reduce, mean over ranks) the moment autograd is done with the unit.
+``Unflatten`` cuts that buffer into parameter views; its backward gathers their
+gradients into one new buffer, which the reduction may then use in place.
 
 Gathered buffers are never kept alive for backward: a saved-tensor hook
 replaces any saved view of one with a small handle, and the unpack hook
