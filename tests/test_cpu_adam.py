@@ -264,6 +264,7 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
         from zfunc.ops import builder, cpu_adam
+        torch.manual_seed(0)
         p = torch.randn(5000); ref = p.clone().requires_grad_()
         opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
         m, v = torch.zeros_like(p), torch.zeros_like(p)
@@ -277,7 +278,9 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
             cpu_adam.adam_update_([p[:0]], [g[:0]], [m[:0]], [v[:0]], step=t, lr=1e-2,
                                   beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                                   decoupled=True)
-    err = (p - ref.detach()).abs().max().item()
+    # relative to max(|p|, 1): the fallback (torch's fused kernel) and the
+    # reference (its for-loop kernel) round differently by a few ulps
+    err = ((p - ref.detach()).abs() / ref.detach().abs().clamp_min(1)).max().item()
     print(json.dumps({"row": [r for r in builder.report() if r["name"] == "cpu_adam"][0],
                       "err": err, "low_ok": bool(torch.equal(low, p.bfloat16())),
                       "warnings": [str(w.message) for w in caught
