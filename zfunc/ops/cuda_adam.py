@@ -5,6 +5,10 @@ params and grads fp32, bf16 or fp16, state fp32, optional bf16/fp16 twin of
 the params written in the same pass. Built only where torch sees a GPU and
 nvcc exists; otherwise, and for tensors the kernel does not take, the update
 goes to torch's ``_fused_adam(w)_`` with the same math.
+
+``load_emulated()`` builds the same kernel source with the C++ compiler and
+runs its grid block by block, thread by thread, over CPU tensors: slow, but
+it lets machines without a GPU (CI) test the kernel itself.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from .cpu_adam import torch_adam_
 
 NAME = "cuda_adam"
 SOURCES = ["adam/cuda_adam.cpp", "adam/cuda_adam.cu"]
+EMULATED_SOURCES = ["adam/cuda_adam_emulated.cpp"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -25,6 +30,11 @@ _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 def load():
     """The compiled kernel module, or None (``builder.report()`` says why)."""
     return builder.load(NAME, SOURCES, cuda=True)
+
+
+def load_emulated():
+    """The kernel's source built for the CPU (``adam_update`` over CPU tensors), or None."""
+    return builder.load(NAME + "_emulated", EMULATED_SOURCES)
 
 
 def available() -> bool:
