@@ -172,3 +172,35 @@ def test_cli_prints_a_table():
     out = subprocess.run([sys.executable, "-m", "zfunc.ops"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "| op" in out.stdout and "cpu_adam" in out.stdout
+
+
+_CONCURRENT_BUILD = """
+import json, sys, time
+import torch
+from zfunc.ops import builder
+start = float(sys.argv[1])
+time.sleep(max(0.0, start - time.time()))  # every process asks at the same moment
+module = builder.load("bench_stream_copy", ["bench/stream_copy.cpp"])
+src = torch.arange(100_000, dtype=torch.float32)
+dst = torch.empty_like(src)
+module.stream_copy(dst, src)
+print(json.dumps({"file": module.__file__, "ok": bool(torch.equal(dst, src))}))
+"""
+
+
+def test_processes_building_at_once_share_one_build(tmp_path):
+    """Ranks started together by torchrun each call load(): one compiles, the rest wait."""
+    import time
+
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop("ZFUNC_OPS_DISABLE", None)
+    start = str(time.time() + 3.0)
+    procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT_BUILD, start], env=env,
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert all(r["ok"] for r in results)
+    assert len({r["file"] for r in results}) == 1  # one shared object, not three builds
+    assert len(list((tmp_path / "ext").rglob("*.so"))) == 1
