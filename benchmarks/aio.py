@@ -22,8 +22,11 @@ are buffered). Reads are cold as far as the guest can make them:
     python benchmarks/aio.py                 # 4 GiB, 1 and 8 MiB blocks, qd 8 and 32
     python benchmarks/aio.py --size 1G --repeats 5
 
-Prints a markdown table with each row's ratio to the anchor: DeepSpeed's handle
-at the same block size and queue depth when present, else the better fio engine.
+Prints a markdown table: median GB/s of each tool, and its ratio to the
+anchor (DeepSpeed's handle at the same block size and queue depth when
+present, else the better fio engine), taken within each repetition and given
+as the median and range over repetitions: the virtual disk drifts between
+repetitions by more than the tools differ within one.
 """
 from __future__ import annotations
 
@@ -225,7 +228,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--json", default=None, help="also write raw results here")
+    ap.add_argument("--from-json", default=None,
+                    help="print the table of a run saved with --json, measure nothing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        return report(saved["size"], saved["times"], saved.get("notes", []))
 
     global OVERWRITE
     size = parse_size(args.size)
@@ -306,40 +315,47 @@ def main(argv=None) -> None:
                       f"read {size / r / GB:5.2f} GB/s", flush=True)
     OVERWRITE = False
     remove(path)
+    entries = [dict(tool=n, block=bs, qd=qd, write_s=[t[0] for t in ts],
+                    read_s=[t[1] for t in ts]) for (n, bs, qd), ts in times.items()]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"size": size, "repeats": args.repeats, "threads": args.threads,
+                       "fsync": args.fsync, "notes": notes, "times": entries}, f, indent=1)
+    report(size, entries, notes)
 
-    def rate(key, i):
-        return size / statistics.median(t[i] for t in times[key]) / GB
+
+def report(size: int, entries: list[dict], notes: list[str]) -> None:
+    """The table: median GB/s, and each tool's ratio to the anchor taken within each
+    repetition (the anchor ran minutes apart at most), median and range over them."""
+    times = {(e["tool"], e["block"], e["qd"]): (e["write_s"], e["read_s"]) for e in entries}
 
     def anchor(bs, qd):
+        """Per-repetition (write, read) seconds of the anchor, and its name."""
         if ("deepspeed", bs, qd) in times:
-            return rate(("deepspeed", bs, qd), 0), rate(("deepspeed", bs, qd), 1), "DeepSpeed"
-        fio = [k for k in times if k[0].startswith("fio") and k[1:] == (bs, qd)]
-        if fio:
-            return (max(rate(k, 0) for k in fio), max(rate(k, 1) for k in fio), "best fio")
+            return times[("deepspeed", bs, qd)], "DeepSpeed"
+        fio = [times[k] for k in times if k[0].startswith("fio") and k[1:] == (bs, qd)]
+        if fio:  # the better fio engine in each repetition
+            return tuple([min(ts) for ts in zip(*(f[i] for f in fio))] for i in (0, 1)), "best fio"
         return None
+
+    def ratio(ours, theirs, name):
+        rs = sorted(t / o for o, t in zip(ours, theirs))
+        return f"{statistics.median(rs):.2f}x {name} ({rs[0]:.2f}-{rs[-1]:.2f})"
 
     print()
     print("| tool | block | queue depth | write GB/s | read GB/s | write vs anchor | read vs anchor |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    rows = []
-    order = {name: i for i, (name, _, _) in enumerate(tools)}
+    order = {e["tool"]: i for i, e in reversed(list(enumerate(entries)))}
     for (name, bs, qd) in sorted(times, key=lambda k: (k[1] == 0, k[1], k[2], order[k[0]])):
-        w, r = rate((name, bs, qd), 0), rate((name, bs, qd), 1)
+        w_s, r_s = times[(name, bs, qd)]
+        w, r = size / statistics.median(w_s) / GB, size / statistics.median(r_s) / GB
         a = anchor(bs, qd) if bs else None
-        ratio_w = f"{w / a[0]:.2f}x {a[2]}" if a else ""
-        ratio_r = f"{r / a[1]:.2f}x {a[2]}" if a else ""
-        rows.append((bs, qd, name, w, r))
+        ratio_w = ratio(w_s, a[0][0], a[1]) if a else ""
+        ratio_r = ratio(r_s, a[0][1], a[1]) if a else ""
         print(f"| {name} | {fmt_size(bs) if bs else '8 MiB chunks'} | {qd or '-'} | "
               f"{w:.2f} | {r:.2f} | {ratio_w} | {ratio_r} |")
     for note in notes:
         print(f"\n{note}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"size": size, "repeats": args.repeats, "threads": args.threads,
-                       "fsync": args.fsync,
-                       "rows": [dict(tool=n, block=b, qd=q, write_gbs=w, read_gbs=r)
-                                for b, q, n, w, r in rows]}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
