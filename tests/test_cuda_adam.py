@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def _nvcc():
 
 
 def test_device_code_compiles_with_nvcc(tmp_path):
-    """nvcc compiles cuda_adam.cu (every dtype instantiation) for sm_90, GPU or not."""
+    """nvcc compiles cuda_adam.cu (every dtype instantiation) for sm_90, GPU or not,
+    and the C++ compiler takes the op's binding."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not installed")
@@ -73,6 +75,13 @@ def test_device_code_compiles_with_nvcc(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert obj.stat().st_size > 0
+    # the op's other source, its Python binding, is plain C++
+    cxx = [os.environ.get("CXX", "c++"), "-fsyntax-only", "-std=c++20", "-w",
+           "-DTORCH_EXTENSION_NAME=zfunc_cuda_adam_check",
+           *[f"-I{d}" for d in (*includes, sysconfig.get_paths()["include"])],
+           str(builder.CSRC / "adam" / "cuda_adam.cpp")]
+    out = subprocess.run(cxx, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
 
 
 class Backend:

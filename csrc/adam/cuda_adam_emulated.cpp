@@ -3,9 +3,9 @@
 // The kernel uses no shared memory and no synchronisation, so running its
 // threads one after another is exactly what the GPU computes (up to FMA
 // contraction). Tests use it to check the kernel on machines without a GPU.
-#include <torch/csrc/utils/pybind.h>
-
 #include <cmath>
+
+#include "adam/cuda_adam_binding.h"
 
 namespace zf_cuda {
 struct ThreadIndex {
@@ -50,11 +50,6 @@ void adam_update_emulated(const std::vector<at::Tensor>& params,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zfunc's CUDA Adam kernel run on the CPU, thread by thread (for tests)";
-  namespace py = pybind11;
-  m.def("adam_update", &zf_cuda::adam_update_emulated,
-        "cuda_adam.adam_update over CPU tensors, by emulating the kernel's grid",
-        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-        py::arg("lowp_params"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
-        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),
-        py::arg("grad_scale"));
+  zf_cuda::def_adam_update(m, &zf_cuda::adam_update_emulated,
+                           "cuda_adam.adam_update over CPU tensors, by emulating the kernel's grid");
 }
