@@ -265,27 +265,33 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
     with warnings.catch_warnings(record=True) as caught:
         from zfunc.ops import builder, cpu_adam
         torch.manual_seed(0)
-        p = torch.randn(5000); ref = p.clone().requires_grad_()
-        opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1)
+        p = torch.randn(5000)
+        # Oracle: AdamW written out in float64 (torch.optim.AdamW's for-loop step
+        # in a fresh process came out 2.9e-6 off at one element in about one run
+        # in five, after the aio tests; the float64 formula has no such drift).
+        ref, rm, rv = p.double(), torch.zeros(5000, dtype=torch.float64), 0
         m, v = torch.zeros_like(p), torch.zeros_like(p)
         low = torch.empty_like(p, dtype=torch.bfloat16)
         for t in range(1, 4):
             g = torch.randn(5000)
-            ref.grad = g.clone(); opt.step()
+            ref = ref * (1 - 1e-2 * 0.1)
+            rm, rv = 0.9 * rm + 0.1 * g.double(), 0.999 * rv + 0.001 * g.double() ** 2
+            ref = ref - 1e-2 / (1 - 0.9 ** t) * rm / ((rv / (1 - 0.999 ** t)).sqrt() + 1e-8)
             cpu_adam.adam_update_([p], [g * 4], [m], [v], step=t, lr=1e-2, beta1=0.9,
                                   beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
                                   grad_scale=0.25, lowp_params=[low])
             cpu_adam.adam_update_([p[:0]], [g[:0]], [m[:0]], [v[:0]], step=t, lr=1e-2,
                                   beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                                   decoupled=True)
-    # relative to max(|p|, 1): the fallback (torch's fused kernel) and the
-    # reference (its for-loop kernel) round differently by a few ulps
-    err = ((p - ref.detach()).abs() / ref.detach().abs().clamp_min(1)).max().item()
+    rel = (p.double() - ref).abs() / ref.abs().clamp_min(1)  # fp32 rounding: ~1e-7
+    i = int(rel.argmax())
     print(json.dumps({"row": [r for r in builder.report() if r["name"] == "cpu_adam"][0],
-                      "err": err, "low_ok": bool(torch.equal(low, p.bfloat16())),
+                      "err": rel.max().item(), "at": [i, p[i].item(), ref[i].item()],
+                      "low_ok": bool(torch.equal(low, p.bfloat16())),
                       "warnings": [str(w.message) for w in caught
                                    if issubclass(w.category, builder.OpBuildWarning)]}))
 """)
+
 
 
 def _run_fallback(tmp_path, **env):
@@ -303,7 +309,7 @@ def test_missing_compiler_falls_back_and_says_so(tmp_path):
     assert res["row"]["built"] is False
     assert "/nonexistent/g++" in res["row"]["reason"] and "compiler" in res["row"]["reason"]
     assert len(res["warnings"]) == 1 and "/nonexistent/g++" in res["warnings"][0]
-    assert res["err"] < 1e-6 and res["low_ok"]
+    assert res["err"] < 1e-6 and res["low_ok"], res
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
 
 
@@ -311,7 +317,7 @@ def test_disable_env_falls_back_quietly(tmp_path):
     res = _run_fallback(tmp_path, ZFUNC_OPS_DISABLE="aio,cpu_adam")
     assert res["row"]["built"] is False and "ZFUNC_OPS_DISABLE" in res["row"]["reason"]
     assert res["warnings"] == []
-    assert res["err"] < 1e-6 and res["low_ok"]
+    assert res["err"] < 1e-6 and res["low_ok"], res
 
 
 @pytest.mark.parametrize("isa", ["avx2", "none"])
