@@ -132,4 +132,4 @@ def run_research_step(name: str, kw: dict, steps: int = 3, per_rank: int = 2, se
         value, grads = vg(params, b, frozen=state.frozen, buffers=state.buffers)
         assert [g.shape for g in grads.leaves] == [p.shape for p in params.leaves]  # sharded like params
         params, opt_state = opt.update(grads, opt_state, params)
-    return {"params": zf.gather_params(zf.State(params, opt_state, state.frozen, state.buffers, state.plan))}
+    return {"params": zf.gather_params(zf.State(params, opt_state, state.frozen, state.buffers, state.count, state.plan))}

@@ -8,12 +8,14 @@ This file is the map of the library: everything public is imported here.
 """
 from . import dist, optim, testing
 from .grad import apply, grad, value_and_grad
+from .placement import Placement
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .tree import Params
+from .zero import set_units as units
 from .zero import zero1, zero2, zero3
 
 __all__ = [
-    "State", "Step", "Params", "apply", "dist", "eval_step", "gather_params", "grad",
-    "memory_report", "optim", "testing", "train_step", "value_and_grad", "zero1", "zero2", "zero3",
+    "Placement", "State", "Step", "Params", "apply", "dist", "eval_step", "gather_params", "grad",
+    "memory_report", "optim", "testing", "train_step", "units", "value_and_grad", "zero1", "zero2", "zero3",
 ]

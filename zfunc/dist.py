@@ -11,6 +11,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import layout
+
 def init(backend: str | None = None) -> None:
     """Start the default process group from torchrun's environment, if any.
 
@@ -36,12 +38,59 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def check_launch() -> None:
+    """Raise if the environment says W > 1 (torchrun) but no process group exists.
+
+    Without this every rank would train alone on its own batches, silently.
+    """
+    env = os.environ.get("WORLD_SIZE", "1")
+    if not is_initialized() and env.isdigit() and int(env) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={env} in the environment (launched by torchrun?) but no process group "
+            "exists, so each rank would train alone: call zf.dist.init() (or "
+            "torch.distributed.init_process_group) before step.init and the first step"
+        )
+
+
 def world_size(group=None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
 def rank(group=None) -> int:
     return dist.get_rank(group) if is_initialized() else 0
+
+
+_groups: dict = {}
+
+
+def group_key(group) -> tuple[int, ...] | None:
+    """Plain data naming ``group``: ``None`` for the default group, else its global ranks.
+
+    Static specs hold this key rather than the ProcessGroup object, so they
+    can be pickled, compared and written into checkpoints.
+    """
+    if group is None or not is_initialized() or group is dist.group.WORLD:
+        return None
+    key = tuple(dist.get_process_group_ranks(group))
+    _groups[key] = group
+    return key
+
+
+def group_of(key: tuple[int, ...] | None):
+    """The ProcessGroup that ``group_key`` named in this process."""
+    if key is None:
+        return None
+    try:
+        return _groups[key]
+    except KeyError:
+        raise ValueError(f"no process group over ranks {key} was given to a zfunc transform in this process") from None
+
+
+def device_of(group=None) -> torch.device:
+    """Where this group's collectives want their tensors: CUDA for nccl, else CPU."""
+    if is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Pending:
@@ -82,9 +131,7 @@ def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
     w = world_size(group)
     if w == 1:
         return Pending(full)
-    n = full.numel() // w
-    mine = full[rank(group) * n : (rank(group) + 1) * n]
-    return Pending(full, dist.all_gather_single(full, mine, group=group, async_op=True))
+    return Pending(full, dist.all_gather_single(full, layout.shard(full, rank(group), w), group=group, async_op=True))
 
 
 def all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
@@ -104,18 +151,12 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
     if w == 1:
         return Pending(full)
     full = full.contiguous()
-    n = full.numel() // w
-    out = torch.empty(n, dtype=full.dtype, device=full.device)
+    out = torch.empty(layout.shard_numel(full.numel(), w), dtype=full.dtype, device=full.device)
     if scratch and dist.get_backend(group) == "gloo":
-        mine = full[rank(group) * n : (rank(group) + 1) * n]
+        mine = layout.shard(full, rank(group), w)
         return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full,
                        finish=lambda: torch.div(mine, w, out=out))
     return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
-
-
-def reduce_scatter_mean(full: torch.Tensor, group=None) -> torch.Tensor:
-    """Mean over ranks of ``full`` (1-D, length divisible by W), this rank's slice."""
-    return reduce_scatter_mean_start(full, group).wait()
 
 
 def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:
@@ -143,13 +184,3 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     if world_size(group) > 1:
         dist.broadcast(t, group_src=src, group=group)
     return t
-
-
-def all_gather_object(obj, group=None) -> list:
-    """Every rank's picklable ``obj``, in rank order."""
-    w = world_size(group)
-    if w == 1:
-        return [obj]
-    out = [None] * w
-    dist.all_gather_object(out, obj, group=group)
-    return out

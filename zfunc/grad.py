@@ -6,19 +6,29 @@ materialized just before its module runs and released right after, so at
 ZeRO-3 only a unit or two is ever whole. Given a plain dict it is
 ``torch.func.functional_call``.
 
+Code that reads a weight any other way (another unit's weight in a module's
+forward, the loss reading a head's weight, an activation checkpoint
+recomputing a block in backward) reaches the model's parameter stand-ins
+(zfunc.lazy), which resolve through the ``ParamView`` in forward and the
+step's ``Tracker`` in backward.
+
 ``value_and_grad`` runs on ``torch.autograd.grad`` over the leaves rather than
 ``torch.func.grad``: the latter refuses saved-tensor hooks and in-place
 collectives in a custom backward (DESIGN.md §4).
 """
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.distributed
 from torch import nn
 from torch.func import functional_call
 
+from . import dist, layout, lazy
 from .materialize import Tracker, Units
 from .pytree import tree_flatten, tree_unflatten
 from .tree import ModelSpec, Params, ParamsSpec
@@ -37,6 +47,11 @@ class ParamView(Mapping):
         self.buffers = dict(buffers)
         self._scopes: list[list[tuple[Units, int]]] = [[]]
         self._checked: set[int] = set()
+        self._swapped: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
+
+    def resolve(self, name: str) -> torch.Tensor:
+        """A stand-in was read (zfunc.lazy): materialize its unit in the current scope."""
+        return self[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
@@ -67,10 +82,18 @@ class ParamView(Mapping):
         self.close_scope()
         self._scopes = [[]]
 
+    def restore_models(self) -> None:
+        """Give models that kept their parameters their own tensors back."""
+        lazy.swap_out(self._swapped)
+        self._swapped = []
+
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         if id(model) not in self._checked:
             self.spec.check_model(model)
             self._checked.add(id(model))
+            # a model that kept its parameters (init(free_model=False)) gets stand-ins
+            # until the step is over, so every read of a weight sees the state's value
+            self._swapped += lazy.swap_in(model, self.spec.canonical_name)
         handles = []
         root = None
         for unit in self.spec.units:
@@ -152,10 +175,31 @@ def _describe(batch) -> str:
     )
 
 
+# Messages of errors that mean the batch does not fit the model.
+_SHAPE_ERROR = re.compile(
+    r"size mismatch|shapes? .*(cannot|must|mismatch|invalid)|must match the size|"
+    r"Sizes of tensors must match|size of tensor a|normalized_shape|Expected .*(size|dim|shape|input)|"
+    r"dimension out of range|index out of range|out of bounds|expected scalar type|"
+    r"expected .*dtype|mat\d and mat\d|input type|channels",
+    re.IGNORECASE,
+)
+
+
 def _call(loss_fn, params, batch):
+    """``loss_fn(params, batch)``, naming the batch when the error is a shape or index error.
+
+    Any other error (out of memory, a failed collective, a bug in the model)
+    goes up unchanged; a failed collective gets a note that another rank
+    probably failed first.
+    """
     try:
         return loss_fn(params, batch)
+    except torch.distributed.DistError as e:
+        e.add_note("A collective failed while loss_fn ran: another rank probably failed first; its error says why.")
+        raise
     except (RuntimeError, ValueError, IndexError) as e:
+        if isinstance(e, torch.OutOfMemoryError) or not (isinstance(e, IndexError) or _SHAPE_ERROR.search(str(e))):
+            raise
         raise type(e)(
             f"loss_fn failed on a batch of [{_describe(batch)}]: {e}\n"
             "Check that the batch matches what the model expects (shapes, dtypes, index ranges)."
@@ -167,37 +211,77 @@ def _grad_spec(spec: ParamsSpec) -> ParamsSpec:
     return ParamsSpec(spec.model, spec.placements, sharded, spec.frozen, spec.group)
 
 
-def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
-    """``value_and_grad`` that also returns the peak bytes of units materialized at once."""
+@contextlib.contextmanager
+def materialized(params: Params, frozen: Params | None, buffers: Mapping, *, differentiable: bool):
+    """The set-up every step shares: units of ``params`` (and ``frozen``) ready to
+    materialize on access, the ``ParamView`` handed to ``loss_fn``, its tracker."""
+    tracker = Tracker()
+    trainable = Units(params, tracker, differentiable=differentiable)
+    frozen_units = Units(frozen, tracker) if frozen is not None else None
+    view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
+    try:
+        yield view, tracker, trainable.anchors
+    finally:
+        view.close()
+        view.restore_models()
+        tracker.close()
 
-    def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None):
+
+def forward(loss_fn: Callable, view: ParamView, tracker: Tracker, batch):
+    """``loss_fn(view, batch)`` with stand-ins resolving through ``view`` and
+    saved views of gathered buffers swapped for handles."""
+    try:
+        with lazy.resolving(view), tracker.hooks():
+            return _call(loss_fn, view, batch)
+    finally:
+        view.close()
+
+
+class GradOut(NamedTuple):
+    """What the gradient part of a step returns."""
+
+    loss: torch.Tensor  # this rank's loss, detached
+    aux: Any
+    grads: Params  # in the home representation; None for a unit no rank on this one used
+    peak: int  # most bytes of gathered units alive at once
+
+
+def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
+    """``value_and_grad`` that also returns the peak bytes of units materialized at once.
+
+    A unit this rank did not use gets a ``None`` gradient (the caller decides
+    with the other ranks whether anyone used it).
+    """
+
+    def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None, scale=None):
         if not isinstance(params, Params):
-            return (*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
-        tracker = Tracker()
-        trainable = Units(params, tracker, differentiable=True)
-        leaves = trainable.anchors
-        frozen_units = Units(frozen, tracker) if frozen is not None else None
-        view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
-        try:
-            with tracker.hooks():
-                try:
-                    out = _call(loss_fn, view, batch)
-                finally:
-                    view.close()
-            loss, aux = _split(out, has_aux)
-            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-        finally:
+            return GradOut(*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
+        with materialized(params, frozen, buffers, differentiable=True) as (view, tracker, anchors):
+            loss, aux = _split(forward(loss_fn, view, tracker, batch), has_aux)
+            with lazy.resolving(tracker):
+                grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
+            tracker.finish()
             peak = tracker.peak
-            tracker.close()
-        spec = _grad_spec(params.spec)
-        grads = [
-            g if g is not None else torch.zeros(spec.segment(i).padded // (spec.model.world if spec.sharded[i] else 1),
-                                                dtype=leaf.dtype, device=leaf.device)
-            for i, (g, leaf) in enumerate(zip(grads, leaves))
-        ]
-        return loss.detach(), aux, Params(spec, grads), peak
+        return GradOut(loss.detach(), aux, Params(_grad_spec(params.spec), grads), peak)
 
     return run
+
+
+def zeros_for_unused(grads: Params) -> Params:
+    """``grads`` with zeros where a unit got no gradient (research steps, which keep every leaf)."""
+    spec = grads.spec
+    w = dist.world_size(spec.process_group)
+    leaves = [
+        g if g is not None else torch.zeros(
+            layout.shard_numel(spec.segment(i).padded, w) if spec.sharded[i] else spec.segment(i).padded,
+            dtype=spec.segment(i).dtype, device=_device(grads))
+        for i, g in enumerate(grads.leaves)
+    ]
+    return Params(spec, leaves)
+
+
+def _device(grads: Params) -> torch.device:
+    return next((g.device for g in grads.leaves if g is not None), torch.device("cpu"))
 
 
 def _plain_value_and_grad(loss_fn, has_aux, params, batch):
@@ -222,6 +306,8 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False):
 
     def run(params, batch, **kw):
         loss, aux, grads, _ = inner(params, batch, **kw)
+        if isinstance(grads, Params):
+            grads = zeros_for_unused(grads)
         return ((loss, aux) if has_aux else loss), grads
 
     return run
@@ -229,10 +315,10 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False):
 
 def grad(loss_fn: Callable, has_aux: bool = False):
     """Like ``value_and_grad`` but returns only the gradients (and aux with ``has_aux``)."""
-    inner = value_and_grad_with_stats(loss_fn, has_aux)
+    inner = value_and_grad(loss_fn, has_aux)
 
     def run(params, batch, **kw):
-        _, aux, grads, _ = inner(params, batch, **kw)
-        return (grads, aux) if has_aux else grads
+        value, grads = inner(params, batch, **kw)
+        return (grads, value[1]) if has_aux else grads
 
     return run

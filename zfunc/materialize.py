@@ -24,56 +24,48 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dist
+from . import dist, layout, placement
+from .placement import Placement
 from .tree import Params
 
 
 class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
-    __slots__ = ("index", "leaf", "ready", "anchor", "sharded_leaf", "grads_sharded", "group", "tracker", "uses",
-                 "pending")
+    __slots__ = ("index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers", "tracker",
+                 "uses", "pending")
 
-    def __init__(self, index, leaf, ready, sharded_leaf, grads_sharded, group, tracker, anchor=None):
+    def __init__(self, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None):
         self.index = index
         self.leaf = leaf
         self.ready = ready  # returns once the leaf's values are complete (Params.leaf_when_ready)
         self.anchor = leaf if anchor is None else anchor
-        self.sharded_leaf = sharded_leaf
-        self.grads_sharded = grads_sharded
+        self.place = place
+        self.segment = segment
         self.group = group
+        self.gathers = placement.gathers(place, group)  # materializing makes a new buffer
         self.tracker = tracker
         self.uses = 0  # Materialize calls in this forward
-        self.pending: dist.Pending | None = None  # a prefetched all-gather
-
-    @property
-    def gathers(self) -> bool:
-        """Whether materializing makes a new buffer (a sharded leaf with W > 1)."""
-        return self.sharded_leaf and dist.world_size(self.group) > 1
+        self.pending: dist.Pending | None = None  # a prefetched materialization
 
     def prefetch(self) -> None:
         if self.gathers and self.pending is None:
-            self.pending = dist.all_gather_start(self.leaf.detach(), self.group)
+            self.pending = placement.materialize_start(self.place, self.leaf, self.group, self.ready)
             self.tracker.allocated(self.pending.out)
 
     def gather(self) -> torch.Tensor:
-        """The full flat buffer: the prefetched one if any, else gathered now."""
-        if not self.gathers:
-            self.ready()
-            return self.leaf.detach()
+        """The full flat buffer: the prefetched one if any, else materialized now."""
         self.prefetch()
+        if self.pending is None:
+            return placement.materialize_start(self.place, self.leaf, self.group, self.ready).wait()
         pending, self.pending = self.pending, None
         return pending.wait()
 
     def reduce(self, grad_full: torch.Tensor) -> torch.Tensor:
-        w = dist.world_size(self.group)
-        if w == 1:
-            return grad_full
-        # grad_full is ours (Unflatten's backward made it): reduce it in place
-        if self.grads_sharded:  # stages 2 and 3: keep only this rank's slice
-            pending = dist.reduce_scatter_mean_start(grad_full, self.group, scratch=True)
-        else:
-            pending = dist.all_reduce_mean_start(grad_full, self.group)
+        # grad_full is ours (Unflatten's backward made it): it is reduced in place
+        pending = placement.send_home_start(self.place, grad_full, self.group)
+        if pending.work is None:
+            return pending.out
         if self.uses > 1:  # autograd will add this gradient to another: it must be final now
             return pending.wait()
         self.tracker.reducing(pending)
@@ -162,6 +154,7 @@ class Tracker:
         self.order: list[_Unit] = []  # gathering units in the order forward first used them
         self.reductions: list[dist.Pending] = []
         self.units: list[_Unit] = []
+        self.by_name: dict[str, _Unit] = {}  # canonical parameter name -> its unit
         self.current = 0
         self.peak = 0
 
@@ -197,14 +190,22 @@ class Tracker:
     def unpack(self, saved):
         if not isinstance(saved, _SavedView):
             return saved
-        unit = saved.unit
+        return self._backward_buffer(saved.unit).as_strided(saved.size, saved.stride, saved.offset)
+
+    def resolve(self, name: str) -> torch.Tensor:
+        """A parameter read during backward (an activation checkpoint recomputing its
+        forward): its value from the unit, re-gathered as for saved tensors."""
+        unit = self.by_name[name]
+        return unit.segment.unflatten(self._backward_buffer(unit))[name]
+
+    def _backward_buffer(self, unit: _Unit) -> torch.Tensor:
         buf = self.backward_cache.get(unit)
         if buf is None:
             with torch.no_grad():
                 buf = unit.gather()
             self.backward_cache[unit] = buf
             self._prefetch_before(unit)
-        return buf.as_strided(saved.size, saved.stride, saved.offset)
+        return buf
 
     def _prefetch_before(self, unit: _Unit) -> None:
         """Start gathering the unit forward used before ``unit``: backward needs it next."""
@@ -257,18 +258,23 @@ class Units:
         spec = params.spec
         self.spec = spec
         self.tracker = tracker
-        w = dist.world_size(spec.group)
+        group = spec.process_group
+        w = dist.world_size(group)
         self.units = []
         for i, (sharded, place) in enumerate(zip(spec.sharded, spec.placements)):
             leaf, ready = params.leaf_when_ready(i)
             leaf = leaf.detach()
             anchor = None
             if differentiable and place.grads_sharded and not sharded and w > 1:
-                anchor = torch.empty_strided((leaf.numel() // w,), (0,), dtype=leaf.dtype, device=leaf.device)
+                # a gradient has its input's shape: a shard-shaped stand-in for a full leaf
+                anchor = torch.empty_strided((layout.shard_numel(leaf.numel(), w),), (0,), dtype=leaf.dtype,
+                                             device=leaf.device)
                 anchor.requires_grad_()
             elif differentiable:
                 leaf.requires_grad_()
-            self.units.append(_Unit(i, leaf, ready, sharded, place.grads_sharded, spec.group, tracker, anchor))
+            self.units.append(_Unit(i, leaf, ready, place, spec.segment(i), group, tracker, anchor))
+            for entry in spec.segment(i).entries:
+                tracker.by_name[entry.name] = self.units[-1]
         self.anchors = [u.anchor for u in self.units]
         tracker.units.extend(self.units)
         gathering = [u for u in self.units if u.gathers and u.leaf.numel()]
@@ -299,8 +305,3 @@ class Units:
         if self.refs[index] == 0:
             del self.views[index], self.refs[index]
             self.tracker.released(self.units[index], self.buffers.pop(index))
-
-    def release_all(self) -> None:
-        for index in list(self.refs):
-            self.refs[index] = 1
-            self.release(index)

@@ -30,10 +30,14 @@ copy of parameters or optimizer state, and a training step owns its gradients.
 
 State is an explicit pytree (a chain's state is the tuple of its members'). The
 optimizers' states hold ``count``, a 0-d int64 CPU tensor (updates applied so
-far; it stays on CPU wherever the rest of the state goes), and trees with the
-structure of ``params`` in fp32 (fp64 for fp64 params), so sharding, offload and
-checkpoints treat them like params. Low-precision params are updated with fp32
-math and fp32 moments, and rounded.
+far; it stays on CPU wherever the rest of the state goes), ``steps``, the same
+count per leaf, and trees with the structure of ``params`` in fp32 (fp64 for
+fp64 params), so sharding, offload and checkpoints treat them like params.
+Low-precision params are updated with fp32 math and fp32 moments, and rounded.
+
+A ``None`` gradient leaf means "no gradient": that leaf is not updated, its
+moments and its ``steps`` stay as they were, exactly as ``torch.optim``
+skips a parameter whose ``.grad`` is None.
 
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
 of updates applied before the current one (0 for the first update), as
@@ -49,8 +53,7 @@ import optree
 import torch
 
 from zfunc.ops import cpu_adam
-from zfunc.pytree import NAMESPACE, global_norm, tree_flatten, tree_map
-from zfunc.testing import format_path
+from zfunc.pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
 
 PyTree = Any
 Schedule = Callable[[int], float]
@@ -76,14 +79,16 @@ class EmptyState(NamedTuple):
 
 
 class AdamState(NamedTuple):
-    count: torch.Tensor  # 0-d int64 on CPU: updates applied so far
+    count: torch.Tensor  # 0-d int64 on CPU: updates applied so far (the schedule's step)
     mu: PyTree  # first moments, structured like params
     nu: PyTree  # second moments, structured like params
+    steps: PyTree  # per leaf, 0-d int64: updates that leaf got (its bias correction)
 
 
 class SgdState(NamedTuple):
     count: torch.Tensor  # 0-d int64 on CPU: updates applied so far
     momentum: PyTree  # momentum buffers structured like params; None without momentum
+    steps: PyTree  # per leaf, 0-d int64: updates that leaf got
 
 
 # --------------------------------------------------------------------------- chain
@@ -206,21 +211,26 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
 
     def init(params):
-        return AdamState(_zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params))
+        return AdamState(_zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params),
+                         tree_map(_zero_count_like, params))
 
     def update(grads, opt_state, params):
         p, spec = tree_flatten(params)
-        g = _leaves_like(grads, "grads", p, spec, params)
+        g = _grads_like(grads, p, params)
         mu = _leaves_like(opt_state.mu, "opt_state.mu", p, spec, params)
         nu = _leaves_like(opt_state.nu, "opt_state.nu", p, spec, params)
-        step = int(opt_state.count)
-        # One call over every leaf: the kernel takes mixed devices and storage
-        # (bf16 params with fp32 moments, fp16 grads) and does the math in fp32.
-        cpu_adam.adam_update_(
-            p, g, mu, nu, step=step + 1, lr=float(schedule(step)), beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-        )
-        return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu)
+        steps = _counts_like(opt_state.steps, p, spec)
+        lr = float(schedule(int(opt_state.count)))
+        # One call per distinct leaf step (one in all but rare steps): the kernel
+        # takes mixed devices and storage (bf16 params with fp32 moments, fp16
+        # grads) and does the math in fp32.
+        for step, idx in _live_by_step(g, steps).items():
+            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+            cpu_adam.adam_update_(
+                pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
+                eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+            )
+        return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
     return Optimizer(init, update)
 
@@ -249,22 +259,25 @@ def sgd(
 
     def init(params):
         bufs = tree_map(_zeros_master, params) if momentum else None
-        return SgdState(_zero_count(), bufs)
+        return SgdState(_zero_count(), bufs, tree_map(_zero_count_like, params))
 
     def update(grads, opt_state, params):
-        p, spec = tree_flatten(params)
-        g = _leaves_like(grads, "grads", p, spec, params)
-        step = int(opt_state.count)
-        # Work in the state's dtype (fp32 or wider); low-precision params are
-        # updated in that dtype and rounded back.
-        master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
-        masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
-        d_p = [x if x.dtype == d else x.to(d) for x, d in zip(g, master_dtypes)]
-        if p:
+        p_all, spec = tree_flatten(params)
+        g_all = _grads_like(grads, p_all, params)
+        steps = _counts_like(opt_state.steps, p_all, spec)
+        bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
+        lr = float(schedule(int(opt_state.count)))
+        for step, idx in _live_by_step(g_all, steps).items():
+            p = [p_all[i] for i in idx]
+            # Work in the state's dtype (fp32 or wider); low-precision params are
+            # updated in that dtype and rounded back.
+            master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
+            masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
+            d_p = [x if x.dtype == d else x.to(d) for x, d in zip((g_all[i] for i in idx), master_dtypes)]
             if weight_decay:
                 torch._foreach_add_(d_p, masters, alpha=weight_decay)
             if momentum:
-                bufs = _leaves_like(opt_state.momentum, "opt_state.momentum", p, spec, params)
+                bufs = [bufs_all[i] for i in idx]
                 if step == 0:
                     torch._foreach_copy_(bufs, d_p)
                 else:
@@ -274,17 +287,49 @@ def sgd(
                     torch._foreach_add_(d_p, bufs, alpha=momentum)
                 else:
                     d_p = bufs
-            torch._foreach_add_(masters, d_p, alpha=-float(schedule(step)))
+            torch._foreach_add_(masters, d_p, alpha=-lr)
             for x, m in zip(p, masters):
                 if x is not m:
                     x.copy_(m)
-        return params, SgdState(opt_state.count + 1, opt_state.momentum)
+        return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
     return Optimizer(init, update)
 
 
 def _zero_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
+
+
+def _zero_count_like(p: torch.Tensor) -> torch.Tensor:
+    return _zero_count()
+
+
+def _counts_like(steps, p_leaves, spec) -> list[torch.Tensor]:
+    leaves, tspec = tree_flatten(steps)
+    if tspec != spec:
+        raise ValueError(f"opt_state.steps does not have the structure of params:\n  steps: {tspec}\n  params: {spec}")
+    return leaves
+
+
+def _live_by_step(grads, steps) -> dict[int, list[int]]:
+    """Leaves that have a gradient, grouped by the updates each has had; their counts advance."""
+    groups: dict[int, list[int]] = {}
+    for i, (g, n) in enumerate(zip(grads, steps)):
+        if g is not None:
+            groups.setdefault(int(n), []).append(i)
+            n.add_(1)
+    return groups
+
+
+def _grads_like(grads, p_leaves, params) -> list[torch.Tensor | None]:
+    """Gradient leaves matched to the parameters; ``None`` where a leaf got no gradient."""
+    leaves, tspec = optree.tree_flatten(grads, none_is_leaf=True, namespace=NAMESPACE)
+    pspec = optree.tree_structure(params, none_is_leaf=True, namespace=NAMESPACE)
+    if tspec != pspec:
+        raise ValueError(f"grads does not have the structure of params:\n  grads: {tspec}\n  params: {pspec}")
+    live = [i for i, g in enumerate(leaves) if g is not None]
+    _check_leaves([leaves[i] for i in live], "grads", [p_leaves[i] for i in live], params, live)
+    return leaves
 
 
 def _zeros_master(p: torch.Tensor) -> torch.Tensor:
@@ -298,14 +343,18 @@ def _leaves_like(tree, what: str, p_leaves, spec, params) -> list[torch.Tensor]:
         raise ValueError(
             f"{what} does not have the structure of params:\n  {what}: {tspec}\n  params: {spec}"
         )
-    for i, (x, p) in enumerate(zip(leaves, p_leaves)):
+    _check_leaves(leaves, what, p_leaves, params, range(len(leaves)))
+    return leaves
+
+
+def _check_leaves(leaves, what, p_leaves, params, positions) -> None:
+    for i, x, p in zip(positions, leaves, p_leaves):
         if x.shape != p.shape or x.device != p.device:
             accessors, _, _ = optree.tree_flatten_with_accessor(params, namespace=NAMESPACE)
             raise ValueError(
                 f"{format_path(accessors[i], root=what)} has shape {tuple(x.shape)} on {x.device} "
                 f"but the parameter has shape {tuple(p.shape)} on {p.device}; they must match."
             )
-    return leaves
 
 
 # ----------------------------------------------------------------------- schedules

@@ -6,7 +6,7 @@ parameter sets, the training state) are seen by optree *and* by torch.func.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import optree
 import torch
@@ -34,6 +34,17 @@ tree_leaves = functools.partial(optree.tree_leaves, namespace=NAMESPACE)
 tree_structure = functools.partial(optree.tree_structure, namespace=NAMESPACE)
 tree_flatten = functools.partial(optree.tree_flatten, namespace=NAMESPACE)
 tree_unflatten = optree.tree_unflatten
+
+
+def format_path(accessor: Iterable[optree.PyTreeEntry], root: str = "tree") -> str:
+    """``tree['a'][0].field``-style path of a leaf from its optree accessor."""
+    parts = []
+    for entry in accessor:
+        if isinstance(entry, optree.FlattenedEntry):
+            parts.append(f"[{entry.entry}]")
+        else:
+            parts.append(entry.codify(""))
+    return root + "".join(parts)
 
 
 def _has_own_norm(node: Any) -> bool:

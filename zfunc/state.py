@@ -18,20 +18,22 @@ class State:
     ``params``: trainable parameters (one flat leaf per unit). ``opt_state``:
     the optimizer's state over this rank's part of ``params``. ``frozen``:
     parameters that get no gradient. ``buffers``: ``name -> Tensor``,
-    unsharded. ``plan``: the static description of the step that made it
-    (stage, world size), checked when the state is passed to a step.
+    unsharded. ``count``: steps taken (0-d int64, skipped steps included).
+    ``plan``: the static record of the step that made it (its composition
+    and world size), checked when the state is passed to a step.
     """
 
     params: Params
     opt_state: Any
     frozen: Params
     buffers: dict
+    count: torch.Tensor
     plan: Any = None
 
 
 register_node(
     State,
-    lambda s: ((s.params, s.opt_state, s.frozen, s.buffers), s.plan),
+    lambda s: ((s.params, s.opt_state, s.frozen, s.buffers, s.count), s.plan),
     lambda plan, children: State(*children, plan=plan),
 )
 
@@ -56,7 +58,7 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
     for params in (state.params, state.frozen):
         spec = params.spec
         for i, (leaf, sharded) in enumerate(zip(params.leaves, spec.sharded)):
-            full = dist.all_gather(leaf.detach(), spec.group) if sharded else leaf.detach()
+            full = dist.all_gather(leaf.detach(), spec.process_group) if sharded else leaf.detach()
             for name, t in spec.segment(i).unflatten(full).items():
                 out[name] = t.to(device="cpu", dtype=torch.float32, copy=True)
     order = [n for n, _ in spec.model.owner if spec.model.canonical_name(n) == n]

@@ -1,176 +1,277 @@
-"""Steps: ``(state, batch) -> (state, metrics)`` and the transforms' shared plan.
+"""Steps: ``(state, batch) -> (state, metrics)``, in three parts that transforms wrap.
 
-A ``Step`` is a loss function, an optimizer and a ``Plan``. The plan is the
-static record of the transforms applied so far (ZeRO stage, units, group);
-transforms return a new step with a new plan. ``init`` builds the state in the
-representation the plan asks for, ``__call__`` runs one optimizer step on it.
+A ``Step`` is a loss function, an optimizer and the transforms applied to it,
+recorded outermost first. Its three parts:
+
+* ``init(model) -> State``: one placement record per unit (the transforms'
+  ``place`` functions folded over a default record), then each rank's shards,
+  unit by unit (zfunc.unit_init), and the optimizer state over this rank's
+  part;
+* the gradient part: ``value_and_grad`` over the placed units (transforms
+  wrap it with ``wrap_grad``), then one small all-reduce on which every rank
+  agrees on the loss, which units anyone used and whether any gradient is
+  non-finite;
+* the update part: the optimizer, wrapped by the transforms'
+  ``wrap_optimizer`` (zero1/2/3 update this rank's slice).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from . import dist
-from .grad import ParamView, value_and_grad_with_stats
-from .materialize import Tracker, Units
+from . import allocator, dist, lazy, layout
+from .grad import forward, materialized, value_and_grad_with_stats
+from .ops import cpu_adam
+from .placement import Placement
 from .state import State
-from .tree import Params, ParamsSpec, Placement, build_spec, flatten_segment
+from .transform import Transform
+from .tree import Params, ParamsSpec, build_spec
+from .unit_init import unit_buffers
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What the transforms applied so far ask of the state and the step."""
+    """The static record a state carries: the composition that built it, and the world size."""
 
-    stage: int = 0
-    units: Any = None
-    group: Any = None
-    persistence_threshold: int = 0
+    composition: str
+    world: int
 
-    def placement(self, numel: int) -> Placement:
-        if self.stage == 3 and numel >= self.persistence_threshold:
-            return Placement(True, True, True)
-        if self.stage >= 2:
-            return Placement(False, True, True)
-        return Placement(False, False, self.stage == 1)
-
-    def signature(self) -> tuple:
-        """What a state must agree on with the step it is passed to."""
-        return (self.stage, dist.world_size(self.group), self.persistence_threshold)
+    def describe(self) -> str:
+        return f"{self.composition} at world size {self.world}"
 
 
 class Step:
-    """One optimizer step of ``loss_fn`` with ``optimizer``, as the plan shards it.
+    """One optimizer step of ``loss_fn`` with ``optimizer``, as its transforms place it.
 
     The step donates its input state: parameters and optimizer state are
-    updated in place and returned, so keep using the returned state only.
+    updated in place and returned, so keep using the returned state only
+    (a donated state passed again raises).
     """
 
-    def __init__(self, loss_fn: Callable, optimizer, plan: Plan = Plan(), has_aux: bool = False):
+    def __init__(self, loss_fn: Callable, optimizer, *, has_aux: bool = False, nonfinite: str = "raise",
+                 transforms: tuple[Transform, ...] = ()):
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.plan = plan
         self.has_aux = has_aux
+        self.nonfinite = nonfinite
+        self.transforms = transforms  # outermost first
 
-    def with_plan(self, **changes) -> "Step":
+    # ------------------------------------------------------------ composition
+
+    def then(self, transform: Transform) -> "Step":
+        """This step with ``transform`` applied outside the ones it has."""
+        transform.check(self.transforms)
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__, plan=replace(self.plan, **changes))
+        new.__dict__.update(self.__dict__, transforms=(transform, *self.transforms))
         return new
 
-    def init(self, model: nn.Module, *, free_model: bool = True) -> State:
+    @property
+    def composition(self) -> str:
+        text = self._base_name
+        for t in reversed(self.transforms):
+            text = t.describe(text)
+        return text
+
+    _base_name = "train_step"
+
+    @property
+    def group(self):
+        return next((t.group for t in self.transforms if getattr(t, "group", None) is not None), None)
+
+    @property
+    def units(self):
+        return next((t.policy for t in self.transforms if t.family == "units"), None)
+
+    def placement(self, numel: int) -> Placement:
+        p = Placement()
+        for t in reversed(self.transforms):
+            p = t.place(p, numel)
+        return p
+
+    def plan(self) -> Plan:
+        return Plan(self.composition, dist.world_size(self.group))
+
+    def _update_part(self):
+        opt = self.optimizer
+        for t in reversed(self.transforms):
+            opt = t.wrap_optimizer(opt)
+        return opt
+
+    def _grad_part(self):
+        fn = value_and_grad_with_stats(self.loss_fn, self.has_aux)
+        for t in reversed(self.transforms):
+            fn = t.wrap_grad(fn)
+        return fn
+
+    # ------------------------------------------------------------------ init
+
+    def init(self, model: nn.Module, *, free_model: bool = True, init_fn: Callable | None = None,
+             device=None) -> State:
         """Build the state from ``model``'s parameters and buffers.
 
+        A model built on the meta device is initialized one unit at a time
+        (each module's ``reset_parameters()``, or ``init_fn(module)``) on
+        ``device`` (default: the group's device), so init never holds more
+        than a unit beyond this rank's shards. Every rank starts from rank
+        0's values.
+
         With ``free_model`` (the default) the model's parameters are replaced
-        by meta tensors afterwards: the state owns them now; run the model
-        with ``zf.apply``.
+        by stand-ins that hold no storage: the state owns the weights now;
+        run the model with ``zf.apply`` inside ``loss_fn``.
         """
-        plan = self.plan
-        w, r = dist.world_size(plan.group), dist.rank(plan.group)
-        spec = build_spec(model, plan.units, w)
-        place = tuple(plan.placement(u.trainable.numel + u.frozen.numel) for u in spec.units)
-
-        def make(frozen: bool) -> Params:
-            segs = [u.frozen if frozen else u.trainable for u in spec.units]
-            leaves = []
-            for seg, p in zip(segs, place):
-                flat = flatten_segment(model, seg)
-                if w > 1:
-                    dist.broadcast(flat, 0, plan.group)  # every rank starts from rank 0's weights
-                n = seg.padded // w
-                leaves.append(flat[r * n : (r + 1) * n].clone() if p.params_sharded else flat)
-            sharded = tuple(p.params_sharded for p in place)
-            return Params(ParamsSpec(spec, place, sharded, frozen, plan.group), leaves)
-
-        params, frozen = make(False), make(True)
+        dist.check_launch()
+        group = self.group
+        w, r = dist.world_size(group), dist.rank(group)
+        spec = build_spec(model, self.units, w)
+        places = tuple(self.placement(u.trainable.numel + u.frozen.numel) for u in spec.units)
+        if any(p.params_sharded for p in places):
+            allocator.configure()  # gathered buffers come and go: give their memory back promptly
+        device = dist.device_of(group) if device is None else torch.device(device)
+        trainable, frozen = [], []
+        for i, *flats in unit_buffers(model, spec, device, init_fn):
+            for flat, out in zip(flats, (trainable, frozen)):
+                dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
+                out.append(layout.shard(flat, r, w).clone() if places[i].params_sharded else flat)
+        sharded = tuple(p.params_sharded for p in places)
+        key = dist.group_key(group)
+        params = Params(ParamsSpec(spec, places, sharded, False, key), trainable)
+        frozen_params = Params(ParamsSpec(spec, places, sharded, True, key), frozen)
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         for b in buffers.values():
-            dist.broadcast(b, 0, plan.group)
-        opt_state = self.optimizer.init(params.local()) if self.optimizer is not None else None
+            dist.broadcast(b, 0, group)
+        opt_state = self._update_part().init(params) if self.optimizer is not None else None
         if free_model:
-            _free_parameters(model)
-        return State(params, opt_state, frozen, buffers, plan.signature())
+            lazy.swap_in(model, spec.canonical_name)
+        return State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan())
+
+    # ------------------------------------------------------------------ call
 
     def _check(self, state: State) -> None:
         if not isinstance(state, State):
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
-        if state.plan != self.plan.signature():
-            stage, w, thr = state.plan
+        if getattr(state, "_donated", False):
             raise ValueError(
-                f"this state was built by a step with ZeRO stage {stage} at world size {w} "
-                f"(persistence threshold {thr}), but this step is stage {self.plan.stage} at world size "
-                f"{dist.world_size(self.plan.group)}: build the state with this step's init, or "
-                "reshard it through a checkpoint"
+                "this state was donated to a step, which updated its parameters and optimizer state in "
+                "place; use the state that step returned"
+            )
+        if state.plan != self.plan():
+            raise ValueError(
+                f"this state was built by {state.plan.describe()}, but this step is "
+                f"{self.plan().describe()}: build the state with this step's init"
             )
 
     def _buffers(self, state: State) -> dict:
         """Fresh buffers for this step: rank 0's, as DDP broadcasts them before each forward."""
         buffers = {k: v.clone() for k, v in state.buffers.items()}
         for b in buffers.values():
-            dist.broadcast(b, 0, self.plan.group)
+            dist.broadcast(b, 0, self.group)
         return buffers
 
     def __call__(self, state: State, batch) -> tuple[State, dict]:
         self._check(state)
         buffers = self._buffers(state)
-        vg = value_and_grad_with_stats(self.loss_fn, self.has_aux)
-        loss, aux, grads, peak = vg(state.params, batch, frozen=state.frozen, buffers=buffers)
-        local_grads = grads.local()
-        metrics = {
-            "loss": dist.all_reduce_mean(loss.float().clone(), self.plan.group),
-            "grad_bytes": grads.nbytes(),
-            "peak_materialized_bytes": peak,
-        }
+        loss, aux, grads, peak = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers)
+        grads, agreed = _agree(loss, grads, self.group)
+        metrics = {"loss": agreed.loss, "grad_bytes": grads.nbytes(), "peak_materialized_bytes": peak,
+                   "skipped": False}
         if self.has_aux:
             metrics["aux"] = aux
-        del grads
-        local, opt_state = self.optimizer.update(local_grads, state.opt_state, state.params.local())
-        params = state.params.from_local(local)
-        return State(params, opt_state, state.frozen, buffers, state.plan), metrics
+        count = state.count + 1
+        if agreed.nonfinite:
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"step {int(state.count)}: non-finite gradient (inf or NaN) in unit "
+                    f"{agreed.nonfinite[0]!r}" + (f" and {len(agreed.nonfinite) - 1} more" if len(agreed.nonfinite) > 1 else "")
+                    + "; the state was not updated. Look for inf/NaN in the batch or the loss, or lower the "
+                    "learning rate; zf.train_step(..., nonfinite='skip') skips such steps instead"
+                )
+            metrics["skipped"] = True
+            return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan), metrics
+        del loss
+        params, opt_state = self._update_part().update(grads, state.opt_state, state.params)
+        object.__setattr__(state, "_donated", True)
+        return State(params, opt_state, state.frozen, buffers, count, state.plan), metrics
+
+
+@dataclass
+class _Agreed:
+    loss: torch.Tensor  # mean over ranks of each rank's loss
+    nonfinite: list[str]  # units with an inf/NaN gradient on some rank
+
+
+def _agree(loss: torch.Tensor, grads: Params, group) -> tuple[Params, _Agreed]:
+    """One all-reduce for what every rank must agree on after backward.
+
+    Which units some rank used (a unit no rank used gets no update, as
+    ``torch.optim`` skips a parameter without ``.grad``), whether any
+    gradient is non-finite (one read of each, ``nonfinite_and_sq_norm``),
+    and the loss.
+    """
+    leaves = grads.leaves
+    w = dist.world_size(group)
+    used = [float(g is not None) for g in leaves]
+    bad = [float(g is not None and g.numel() > 0 and not cpu_adam.nonfinite_and_sq_norm([g])[1]) for g in leaves]
+    vec = torch.tensor([float(loss), *used, *bad], dtype=torch.float64, device=dist.device_of(group))
+    dist.all_reduce_sum(vec, group)
+    vec = vec.cpu()
+    k = len(leaves)
+    names = [u.name or "<root>" for u in grads.spec.model.units]
+    counts = vec[1 : 1 + k].tolist()
+    partial = [(n, int(c)) for n, c in zip(names, counts) if 0 < c < w]
+    if partial:
+        name, c = partial[0]
+        raise RuntimeError(
+            f"ranks ran different units this step: unit {name!r} was used on {c} of {w} ranks. Every rank "
+            "must run the same units (control flow that skips a block must skip it on every rank)"
+        )
+    nonfinite = [n for n, b in zip(names, vec[1 + k :].tolist()) if b]
+    return grads, _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite)
 
 
 class EvalStep(Step):
-    """``(state, batch) -> metrics``: the loss under the same sharding, no update."""
+    """``(state, batch) -> metrics``: the loss under the same placement, no update."""
 
-    def __init__(self, loss_fn: Callable, plan: Plan = Plan(), has_aux: bool = False):
-        super().__init__(loss_fn, None, plan, has_aux)
+    _base_name = "eval_step"
+
+    def __init__(self, loss_fn: Callable, *, has_aux: bool = False, transforms=()):
+        super().__init__(loss_fn, None, has_aux=has_aux, transforms=transforms)
+
+    def plan(self) -> Plan:
+        # an eval step reads states of the train step composed the same way
+        return Plan(self.composition.replace("eval_step", "train_step", 1), dist.world_size(self.group))
 
     @torch.no_grad()
     def __call__(self, state: State, batch) -> dict:
         self._check(state)
-        tracker = Tracker()
-        view = ParamView(state.params.spec.model, Units(state.params, tracker), Units(state.frozen, tracker),
-                         self._buffers(state))
-        try:
-            out = self.loss_fn(view, batch)
-        finally:
-            view.close()
-            tracker.close()
+        with materialized(state.params, state.frozen, self._buffers(state), differentiable=False) as (view, tracker, _):
+            out = forward(self.loss_fn, view, tracker, batch)
         loss = out[0] if self.has_aux else out
-        metrics = {"loss": dist.all_reduce_mean(loss.detach().float().clone(), self.plan.group)}
+        metrics = {"loss": dist.all_reduce_mean(loss.detach().float().clone(), self.group)}
         if self.has_aux:
             metrics["aux"] = out[1]
         return metrics
 
 
-def _free_parameters(model: nn.Module) -> None:
-    """Swap every parameter for a meta tensor of the same shape (ties kept)."""
-    done: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in done:
-                done[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            module._parameters[name] = done[id(p)]
+def train_step(loss_fn: Callable, optimizer, *, has_aux: bool = False, units=None, nonfinite: str = "raise") -> Step:
+    """The base step: ``value_and_grad(loss_fn)`` then ``optimizer``. Replicated, like DDP.
+
+    ``units``: the unit policy (see ``zf.zero3``). ``nonfinite``: what an
+    inf/NaN gradient on any rank does, ``"raise"`` (naming the step and the
+    unit; the state is left as it was) or ``"skip"`` (no update that step;
+    ``metrics["skipped"]``).
+    """
+    from .zero import set_units
+
+    return set_units(Step(loss_fn, optimizer, has_aux=has_aux, nonfinite=nonfinite), units)
 
 
-def train_step(loss_fn: Callable, optimizer, *, has_aux: bool = False) -> Step:
-    """The base step: ``value_and_grad(loss_fn)`` then ``optimizer``. Replicated, like DDP."""
-    return Step(loss_fn, optimizer, Plan(), has_aux)
-
-
-def eval_step(loss_fn: Callable, *, has_aux: bool = False) -> EvalStep:
+def eval_step(loss_fn: Callable, *, has_aux: bool = False, units=None) -> EvalStep:
     """Evaluate ``loss_fn`` on a state; compose with the same transforms as the train step."""
-    return EvalStep(loss_fn, Plan(), has_aux)
+    from .zero import set_units
+
+    return set_units(EvalStep(loss_fn, has_aux=has_aux), units)

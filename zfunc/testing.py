@@ -15,7 +15,7 @@ from typing import Any, Iterable, Sequence
 import optree
 import torch
 
-from zfunc.pytree import NAMESPACE
+from zfunc.pytree import NAMESPACE, format_path
 
 __all__ = [
     "assert_shape",
@@ -29,17 +29,6 @@ __all__ = [
 ]
 
 _MAX_REPORTED = 10  # leaves listed in one error message
-
-
-def format_path(accessor: Iterable[optree.PyTreeEntry], root: str = "tree") -> str:
-    """``tree['a'][0].field``-style path of a leaf from its optree accessor."""
-    parts = []
-    for entry in accessor:
-        if isinstance(entry, optree.FlattenedEntry):
-            parts.append(f"[{entry.entry}]")
-        else:
-            parts.append(entry.codify(""))
-    return root + "".join(parts)
 
 
 def _flatten(tree: Any) -> tuple[list[str], list[Any], optree.PyTreeSpec]:

@@ -23,8 +23,10 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import dist
+from . import dist, layout
+from .placement import Placement, optimizer_slices
 from .pytree import register_node
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -78,7 +80,6 @@ class ModelSpec:
     units: tuple[Unit, ...]
     owner: tuple[tuple[str, tuple[int, bool]], ...]  # name (aliases too) -> (unit, trainable)
     canonical: tuple[tuple[str, str], ...]  # alias -> first name
-    buffers: tuple[str, ...]
     world: int
 
     def owner_of(self, name: str) -> tuple[int, bool]:
@@ -163,16 +164,15 @@ def _segment(params: list[tuple[str, torch.Tensor]], world: int, unit_name: str)
     for name, p in params:
         entries.append(Entry(name, tuple(p.shape), offset))
         offset += p.numel()
-    padded = -(-offset // world) * world if offset else 0
-    return Segment(tuple(entries), dtype, offset, padded)
+    return Segment(tuple(entries), dtype, offset, layout.padded_numel(offset, world))
 
 
 def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
     """Group ``model``'s parameters into units and lay each unit out flat."""
     for name, p in model.named_parameters():
-        if p.is_meta:
+        if getattr(p, "_zfunc_name", None) is not None:
             raise ValueError(
-                f"parameter {name!r} is on the meta device: this model's storage was already taken "
+                f"parameter {name!r} is held by a zfunc State: this model's storage was already taken "
                 "by Step.init. Build a fresh model, or load weights with zf.gather_params."
             )
     paths = _unit_modules(model, units)
@@ -202,63 +202,53 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
         (name, owner_of_first[canonical.get(name, name)])
         for name, _ in model.named_parameters(remove_duplicate=False)
     )
-    buffers = tuple(name for name, _ in model.named_buffers())
-    return ModelSpec(tuple(built), owner, tuple(canonical.items()), buffers, world)
+    return ModelSpec(tuple(built), owner, tuple(canonical.items()), world)
 
 
-def flatten_segment(model: nn.Module, seg: Segment) -> torch.Tensor:
-    """Copy ``model``'s parameters of ``seg`` into one new zero-padded flat buffer."""
-    named = dict(model.named_parameters())
-    flat = torch.zeros(seg.padded, dtype=seg.dtype, device=_device_of(model))
+def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
+    """Copy ``model``'s parameters of ``seg`` into one new zero-padded flat buffer on ``device``."""
+    flat = torch.zeros(seg.padded, dtype=seg.dtype, device=device)
     for e in seg.entries:
-        flat[e.offset : e.offset + e.numel].copy_(named[e.name].detach().reshape(-1))
+        owner, _, attr = e.name.rpartition(".")
+        p = model.get_submodule(owner)._parameters[attr]
+        flat[e.offset : e.offset + e.numel].copy_(p.detach().reshape(-1))
     return flat
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
 # ---------------------------------------------------------------------------
-# Placement and the Params pytree node.
-
-
-@dataclass(frozen=True)
-class Placement:
-    """How one unit is split across ranks (see DESIGN.md §2).
-
-    ``params_sharded``: each rank keeps only its slice of the parameters
-    (stage 3). ``grads_sharded``: gradients are reduce-scattered rather than
-    all-reduced (stages 2 and 3). ``opt_sharded``: optimizer state covers only
-    this rank's slice (stages 1-3).
-    """
-
-    params_sharded: bool = False
-    grads_sharded: bool = False
-    opt_sharded: bool = False
+# The Params pytree node.
 
 
 @dataclass(frozen=True)
 class ParamsSpec:
-    """Static half of a ``Params`` node: model layout, placement, what each leaf holds."""
+    """Static half of a ``Params`` node: plain data (no process group object).
+
+    ``sharded`` says per unit whether the leaf holds this rank's shard (else
+    the full buffer); ``group`` is ``dist.group_key`` of the group.
+    """
 
     model: ModelSpec
     placements: tuple[Placement, ...]
-    sharded: tuple[bool, ...]  # per unit: does the leaf hold this rank's shard (else the full buffer)
+    sharded: tuple[bool, ...]
     frozen: bool  # the frozen segments rather than the trainable ones
-    group: object = None
+    group: tuple[int, ...] | None = None
 
     def segment(self, unit: int) -> Segment:
         u = self.model.units[unit]
         return u.frozen if self.frozen else u.trainable
+
+    @property
+    def process_group(self):
+        return dist.group_of(self.group)
 
 
 class Params:
     """One tensor per unit: a full flat buffer or this rank's shard of it.
 
     A pytree node (optree namespace ``zfunc`` and torch's pytree); its leaves
-    are the tensors, its static data the ``ParamsSpec``.
+    are the tensors, its static data the ``ParamsSpec``. In a gradient, a
+    leaf is ``None`` for a unit no rank used (it gets no update, as
+    ``torch.optim`` skips a parameter whose ``.grad`` is None).
 
     A full buffer may still be filling from an all-gather that ``from_local``
     started (stages 1 and 2 after an update): ``leaves`` (and so flattening)
@@ -269,13 +259,13 @@ class Params:
 
     __slots__ = ("spec", "_leaves", "_filling")
 
-    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor], filling=None):
+    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor | None], filling=None):
         self.spec = spec
         self._leaves = tuple(leaves)
         self._filling: dict[int, dist.Pending] = dict(filling or {})  # unit -> all-gather in flight
 
     @property
-    def leaves(self) -> tuple[torch.Tensor, ...]:
+    def leaves(self) -> tuple[torch.Tensor | None, ...]:
         """The tensors, complete (waits for all-gathers still filling them)."""
         while self._filling:
             self._filling.popitem()[1].wait()
@@ -293,30 +283,33 @@ class Params:
 
     def __repr__(self) -> str:
         units = ", ".join(
-            f"{u.name or '<root>'}:{'shard' if s else 'full'}[{t.numel()}]"
+            f"{u.name or '<root>'}:{'shard' if s else 'full'}[{'unused' if t is None else t.numel()}]"
             for u, s, t in zip(self.spec.model.units, self.spec.sharded, self._leaves)
         )
         return f"Params({units})"
 
-    @property
-    def group(self):
-        return self.spec.group
-
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._leaves)
+        return sum(t.numel() * t.element_size() for t in self._leaves if t is not None)
 
     def sum_of_squares(self) -> torch.Tensor:
-        """Whole-model sum of squares: shards are summed across the group."""
-        shard = torch.zeros((), dtype=torch.float32)
-        full = torch.zeros((), dtype=torch.float32)
-        for t, sharded in zip(self.leaves, self.spec.sharded):
-            part = t.detach().float().pow(2).sum().cpu() if t.numel() else torch.zeros(())
-            if sharded:
-                shard += part
-            else:
-                full += part
+        """Whole-model sum of squares: shards are summed across the group.
+
+        Accumulated on the leaves' device, which is the group's device (a
+        nccl group cannot reduce a CPU tensor).
+        """
+        leaves = [(t, s) for t, s in zip(self.leaves, self.spec.sharded) if t is not None]
+        device = leaves[0][0].device if leaves else torch.device("cpu")
+        shard = torch.zeros((), dtype=torch.float32, device=device)
+        full = torch.zeros((), dtype=torch.float32, device=device)
+        for t, sharded in leaves:
+            if t.numel():
+                part = t.detach().float().pow(2).sum().to(device)
+                if sharded:
+                    shard += part
+                else:
+                    full += part
         if any(self.spec.sharded):
-            dist.all_reduce_sum(shard, self.spec.group)
+            dist.all_reduce_sum(shard, self.spec.process_group)
         return shard + full
 
     def local(self) -> "Params":
@@ -325,12 +318,12 @@ class Params:
         Units whose optimizer state is sharded but whose leaf holds the full
         buffer are sliced (a view: updating it updates the full buffer).
         """
-        r, w = dist.rank(self.group), dist.world_size(self.group)
+        group = self.spec.process_group
+        r, w = dist.rank(group), dist.world_size(group)
         leaves, sharded = [], []
         for t, held_shard, place in zip(self.leaves, self.spec.sharded, self.spec.placements):
-            if place.opt_sharded and not held_shard:
-                n = t.numel() // w
-                leaves.append(t[r * n : (r + 1) * n])
+            if optimizer_slices(place, held_shard):
+                leaves.append(None if t is None else layout.shard(t, r, w))
                 sharded.append(True)
             else:
                 leaves.append(t)
@@ -343,18 +336,18 @@ class Params:
         Returns at once: the gathers fill the buffers in the background (see
         the class docstring for who waits for them).
         """
-        r, w = dist.rank(self.group), dist.world_size(self.group)
+        group = self.spec.process_group
+        r, w = dist.rank(group), dist.world_size(group)
         leaves, filling = [], {}
         for i, (t, lt, held_shard, lheld) in enumerate(
             zip(self.leaves, local.leaves, self.spec.sharded, local.spec.sharded)
         ):
             if lheld and not held_shard:
-                n = t.numel() // w
-                mine = t[r * n : (r + 1) * n]
+                mine = layout.shard(t, r, w)
                 if lt.data_ptr() != mine.data_ptr():  # the optimizer returned new tensors
                     mine.copy_(lt)
                 if w > 1:
-                    filling[i] = dist.all_gather_inplace_start(t, self.group)
+                    filling[i] = dist.all_gather_inplace_start(t, group)
                 leaves.append(t)
             else:
                 leaves.append(lt)

@@ -1,8 +1,11 @@
 """ZeRO stages 1, 2 and 3 as step transforms.
 
-Each transform only changes the step's plan: which leaves are sharded
-(parameters, gradients, optimizer state). Materialization (zfunc.materialize)
-and the step's optimizer call (``Params.local`` / ``from_local``) do the rest.
+Each stage contributes a placement function (what is sharded) and, for every
+stage, the same wrapper of the update part: the optimizer sees only this
+rank's slice of each unit (``Params.local``) and the updated slices are
+all-gathered back into the full buffers (``Params.from_local``) where
+parameters are replicated. Materialization and gradient reduction follow
+from the placement record (zfunc.placement).
 
 | stage | parameters | gradients | optimizer state |
 | --- | --- | --- | --- |
@@ -13,34 +16,95 @@ and the step's optimizer call (``Params.local`` / ``from_local``) do the rest.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from . import dist
+from .optim import Optimizer
+from .placement import REDUCE_SCATTER, SHARDED, Placement
 from .step import Step
+from .transform import Transform, Units
 
 
-def _zero(step: Step, stage: int, **plan) -> Step:
+class Zero(Transform):
+    family = "zero"
+
+    def __init__(self, stage: int, group=None, persistence_threshold: int = 0):
+        self.stage = stage
+        self.group = group
+        self.persistence_threshold = persistence_threshold
+
+    @property
+    def name(self) -> str:
+        return f"zero{self.stage}"
+
+    def describe(self, inner: str) -> str:
+        extra = f", persistence_threshold={self.persistence_threshold}" if self.persistence_threshold else ""
+        return f"zero{self.stage}({inner}{extra})"
+
+    def check(self, inner) -> None:
+        for t in inner:
+            if t.family == "zero":
+                raise ValueError(f"this step is already ZeRO stage {t.stage}; apply one of zero1/zero2/zero3, once")
+
+    def place(self, p: Placement, numel: int) -> Placement:
+        p = replace(p, opt=SHARDED)
+        if self.stage >= 2:
+            p = replace(p, grads=REDUCE_SCATTER)
+        if self.stage == 3 and numel >= self.persistence_threshold:
+            p = replace(p, params=SHARDED)
+        return p
+
+    def wrap_optimizer(self, optimizer):
+        return sharded_optimizer(optimizer)
+
+
+def sharded_optimizer(optimizer) -> Optimizer:
+    """``optimizer`` over this rank's slice of each unit; updated slices gathered back."""
+
+    def init(params):
+        return optimizer.init(params.local())
+
+    def update(grads, opt_state, params):
+        local, opt_state = optimizer.update(grads.local(), opt_state, params.local())
+        return params.from_local(local), opt_state
+
+    return Optimizer(init, update)
+
+
+def _zero(step: Step, stage: int, group, **kw) -> Step:
     if not isinstance(step, Step):
         raise TypeError(f"zero{stage} transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
-    if step.plan.stage != 0:
-        raise ValueError(
-            f"this step is already ZeRO stage {step.plan.stage}; apply one of zero1/zero2/zero3, once"
-        )
-    return step.with_plan(stage=stage, **plan)
+    dist.group_key(group)  # remember the group under its key, for specs that name it
+    return step.then(Zero(stage, group, **kw))
 
 
 def zero1(step: Step, *, group=None) -> Step:
     """Shard optimizer state across ``group`` (default: the whole world)."""
-    return _zero(step, 1, group=group)
+    return _zero(step, 1, group)
 
 
 def zero2(step: Step, *, group=None) -> Step:
     """Shard optimizer state and reduce-scatter gradients."""
-    return _zero(step, 2, group=group)
+    return _zero(step, 2, group)
 
 
 def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0) -> Step:
     """Shard parameters too: each unit is gathered just before its module runs.
 
     ``units``: ``None`` (each child of every ``nn.ModuleList`` plus a root
-    unit), a list of module names, or a predicate ``(name, module) -> bool``.
-    Units with fewer than ``persistence_threshold`` elements stay replicated.
+    unit), a list of module names, or a predicate ``(name, module) -> bool``;
+    the same as ``zf.units(step, units)``. Units with fewer than
+    ``persistence_threshold`` elements stay replicated.
     """
-    return _zero(step, 3, units=units, group=group, persistence_threshold=persistence_threshold)
+    if units is not None:
+        step = set_units(step, units)
+    return _zero(step, 3, group, persistence_threshold=persistence_threshold)
+
+
+def set_units(step: Step, policy) -> Step:
+    """The unit policy for every transform of ``step`` (see ``zf.zero3``'s ``units``)."""
+    if not isinstance(step, Step):
+        raise TypeError(f"units transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    if policy is None or step.units is policy or step.units == policy:
+        return step
+    return step.then(Units(policy))

@@ -1,0 +1,105 @@
+"""The placement record: where one unit lives and how it moves (DESIGN.md §2).
+
+Each transform contributes a pure function ``Placement -> Placement``; a step
+folds them in the order written (innermost first) into one record per unit.
+The record is the only place that says what materializing a unit and sending
+its gradient home mean; the rest of zfunc calls the two stages below, each
+split into start and wait (``dist.Pending``) so one coordinator can drive them.
+
+A unit's life::
+
+    home (device / CPU / NVMe; replicated or this rank's shard)
+      -- materialize: read in, all-gather if sharded, cast to compute dtype -->
+    full flat buffer (views handed to the module)  -- released after use
+    full flat gradient (one buffer, made by Unflatten's backward)
+      -- send home: all-reduce or reduce-scatter (mean) in the reduce dtype -->
+    gradient in the home representation  -- the optimizer updates the home copy
+
+| field | today's transforms |
+| --- | --- |
+| params: replicated or sharded | zero3 shards (units at or over its persistence threshold) |
+| grads: all-reduce or reduce-scatter | zero2 and zero3 reduce-scatter |
+| opt: replicated or sharded | zero1, zero2, zero3 shard |
+| homes, dtypes | device and the model's dtype until offload and precision land |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import dist
+
+REPLICATED, SHARDED = "replicated", "sharded"
+ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
+DEVICE, CPU, NVME = "device", "cpu", "nvme"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One unit's placement. ``None`` dtypes mean the model's own dtype."""
+
+    params: str = REPLICATED
+    param_home: str = DEVICE
+    param_dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = None
+    grads: str = ALL_REDUCE
+    reduce_dtype: torch.dtype | None = None
+    opt: str = REPLICATED
+    opt_home: str = DEVICE
+
+    def __post_init__(self):
+        for field, value, allowed in (("params", self.params, (REPLICATED, SHARDED)),
+                                      ("opt", self.opt, (REPLICATED, SHARDED)),
+                                      ("grads", self.grads, (ALL_REDUCE, REDUCE_SCATTER)),
+                                      ("param_home", self.param_home, (DEVICE, CPU, NVME)),
+                                      ("opt_home", self.opt_home, (DEVICE, CPU, NVME))):
+            if value not in allowed:
+                raise ValueError(f"Placement.{field} must be one of {allowed}, got {value!r}")
+
+    @property
+    def params_sharded(self) -> bool:
+        return self.params == SHARDED
+
+    @property
+    def grads_sharded(self) -> bool:
+        return self.grads == REDUCE_SCATTER
+
+    @property
+    def opt_sharded(self) -> bool:
+        return self.opt == SHARDED
+
+    def describe(self) -> str:
+        return f"params {self.params} on {self.param_home}, grads {self.grads}, optimizer state {self.opt} on {self.opt_home}"
+
+
+def gathers(place: Placement, group) -> bool:
+    """Whether materializing makes a new buffer (a sharded leaf with W > 1)."""
+    return place.params_sharded and dist.world_size(group) > 1
+
+
+def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callable[[], None]) -> dist.Pending:
+    """Start turning the stored ``leaf`` into the full flat buffer.
+
+    ``ready`` returns once the leaf's own values are complete (an update's
+    all-gather may still be filling a replicated leaf).
+    """
+    if gathers(place, group):
+        return dist.all_gather_start(leaf.detach(), group)
+    ready()
+    return dist.Pending(leaf.detach())
+
+
+def send_home_start(place: Placement, grad_full: torch.Tensor, group) -> dist.Pending:
+    """Start reducing a unit's full gradient (which the caller gives up) to its home form."""
+    if dist.world_size(group) == 1:
+        return dist.Pending(grad_full)
+    if place.grads_sharded:
+        return dist.reduce_scatter_mean_start(grad_full, group, scratch=True)
+    return dist.all_reduce_mean_start(grad_full, group)
+
+
+def optimizer_slices(place: Placement, leaf_is_shard: bool) -> bool:
+    """Whether the optimizer updates only this rank's slice of a leaf that holds the full buffer."""
+    return place.opt_sharded and not leaf_is_shard

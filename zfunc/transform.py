@@ -1,0 +1,80 @@
+"""What a step transform is: a recorded contribution to placement, gradient and update.
+
+A transform takes a step and returns a step (``Step.then``). It contributes
+
+* ``place``: a pure function on one unit's ``Placement`` record;
+* ``wrap_optimizer``: the update part, an ``(init, update)`` pair over the
+  state's ``Params`` (zero1/2/3 update only this rank's slice, then gather);
+* ``wrap_grad``: the gradient part, ``(params, batch, **kw) -> GradOut``
+  (accumulation and loss scaling will wrap here).
+
+Transforms are recorded outermost first; placements and wrappers are folded
+innermost first, so ``zero3(offload_nvme(f))`` means offload, then sharding.
+``check`` enforces the composition rules below when a transform is applied
+to a step that already carries ``inner`` transforms.
+
+| transform | may appear | rule |
+| --- | --- | --- |
+| ``zero1``/``zero2``/``zero3`` | once (one stage) | outside offload: ``zero3(offload_nvme(f))`` |
+| ``units`` | once, or agreeing with ``zero3(units=...)`` / ``train_step(units=...)`` | anywhere |
+"""
+from __future__ import annotations
+
+from .placement import Placement
+
+
+class Transform:
+    """Base: contributes nothing; subclasses override what they change."""
+
+    family = "transform"  # transforms of one family exclude each other
+
+    def describe(self, inner: str) -> str:
+        return f"{self.name}({inner})"
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__.lower()
+
+    def check(self, inner: tuple["Transform", ...]) -> None:
+        for t in inner:
+            if t.family == self.family:
+                raise ValueError(f"{t.describe('step')} is already applied; apply {self.family} transforms once")
+
+    def place(self, p: Placement, numel: int) -> Placement:
+        return p
+
+    def wrap_optimizer(self, optimizer):
+        return optimizer
+
+    def wrap_grad(self, grad_fn):
+        return grad_fn
+
+
+class Units(Transform):
+    """Sets the unit policy (see ``zf.units``)."""
+
+    family = "units"
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    @property
+    def name(self) -> str:
+        return "units"
+
+    def describe(self, inner: str) -> str:
+        return f"units({inner}, {_policy_text(self.policy)})"
+
+    def check(self, inner) -> None:
+        for t in inner:
+            if t.family == "units":
+                raise ValueError(
+                    f"this step already has units {_policy_text(t.policy)}; give the unit policy once "
+                    f"(zf.units, zero3(units=...) or train_step(units=...)), not also {_policy_text(self.policy)}"
+                )
+
+
+def _policy_text(policy) -> str:
+    if callable(policy):
+        return getattr(policy, "__name__", "predicate")
+    return repr(list(policy))
