@@ -17,45 +17,76 @@ def is_linear(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear)
 
 
-def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | None = None):
-    opt = zf.optim.adamw(LR, weight_decay=0.01)
-    if clip is not None:
-        opt = zf.optim.chain(zf.optim.clip_by_global_norm(clip), opt)
-    step = zf.train_step(loss_fn, opt)
+def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | None = None,
+            units_via: str = "zero3", evaluate: bool = False):
+    """The step for ``stage``; ``units_via`` says where the unit policy is given:
+    ``zero3(units=)``, ``train_step(units=)``, or ``zf.units`` inside or outside the stage."""
+    if evaluate:
+        base = zf.eval_step(loss_fn, units=units if units_via == "base" else None)
+    else:
+        opt = zf.optim.adamw(LR, weight_decay=0.01)
+        if clip is not None:
+            opt = zf.optim.chain(zf.optim.clip_by_global_norm(clip), opt)
+        base = zf.train_step(loss_fn, opt, units=units if units_via == "base" else None)
+    step = zf.units(base, units) if units_via == "inner" else base
     if stage == 1:
-        return zf.zero1(step)
-    if stage == 2:
-        return zf.zero2(step)
-    if stage == 3:
-        return zf.zero3(step, units=units, persistence_threshold=threshold)
-    return step
+        step = zf.zero1(step)
+    elif stage == 2:
+        step = zf.zero2(step)
+    elif stage == 3:
+        step = zf.zero3(step, units=units if units_via == "zero3" else None, persistence_threshold=threshold)
+    return zf.units(step, units) if units_via == "outer" else step
 
 
 def _setup(name: str, kw: dict, seed: int):
     """This rank, the world size, the model, an untouched twin (for batch shapes), its loss."""
     model = build(name, seed, **kw)
+    return zf.dist.rank(), zf.dist.world_size(), model, copy.deepcopy(model), _setup_loss(name, model)
 
+
+def _setup_loss(name: str, model):
     def loss_fn(params, b):
         x, y = b
         return loss(name, zf.apply(model, params, x), y)
 
-    return zf.dist.rank(), zf.dist.world_size(), model, copy.deepcopy(model), loss_fn
+    return loss_fn
+
+
+def seeded_init(module) -> None:
+    """An init that depends only on the module's shapes, so eager and meta-device init agree."""
+    g = torch.Generator().manual_seed(sum(p.numel() for p in module.parameters(recurse=False)) + 7)
+    with torch.no_grad():
+        for p in module.parameters(recurse=False):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for b in module.buffers(recurse=False):
+            b.copy_(torch.rand(b.shape, generator=g) if b.is_floating_point() else torch.zeros_like(b))
 
 
 def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2, seed: int = 0,
-              units=None, threshold: int = 0, clip: float | None = None) -> dict:
-    """``steps`` zfunc steps on this rank's part of each global batch."""
+              units=None, threshold: int = 0, clip: float | None = None, units_via: str = "zero3",
+              free_model: bool = True, skips=None, meta: bool = False) -> dict:
+    """``steps`` zfunc steps on this rank's part of each global batch.
+
+    ``skips[i]``: the block the ``skipping`` model leaves out at step ``i``.
+    ``meta``: build the model on the meta device and init it unit by unit.
+    """
     rank, world, model, shape_model, loss_fn = _setup(name, kw, seed)
-    step = compose(stage, loss_fn, units, threshold, clip)
-    state = step.init(model)
+    if meta:
+        with torch.device("meta"):
+            model = build(name, seed, **kw)
+        loss_fn = _setup_loss(name, model)
+    step = compose(stage, loss_fn, units, threshold, clip, units_via)
+    state = step.init(model, free_model=free_model, init_fn=seeded_init if meta else None)
     losses, grad_bytes, peak = [], [], []
     for i in range(steps):
+        if skips is not None:
+            model.skip = skips[i]
         b = local(batch(name, shape_model, i, per_rank * world, seed), rank, world)
         state, metrics = step(state, b)
         losses.append(metrics["loss"].item())
         grad_bytes.append(metrics["grad_bytes"])
         peak.append(metrics["peak_materialized_bytes"])
-    evaluate = {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: lambda s: zf.zero3(s, units=units, persistence_threshold=threshold)}[stage](zf.eval_step(loss_fn))
+    evaluate = compose(stage, loss_fn, units, threshold, units_via=units_via, evaluate=True)
     eval_b = local(batch(name, shape_model, steps, per_rank * world, seed), rank, world)
     # eval first: it reads the state straight out of the step, with stage 1/2
     # all-gathers still in flight, each unit waited for only when first used
@@ -72,6 +103,20 @@ def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2
     }
 
 
+def init_state(name: str, stage: int, meta: bool) -> dict:
+    """The initial state's full parameters and buffers, from an eager model given
+    ``seeded_init`` or from the meta device initialized unit by unit with it."""
+    if meta:
+        with torch.device("meta"):
+            model = build(name)
+    else:
+        model = build(name)
+        for m in model.modules():
+            seeded_init(m)
+    state = compose(stage, _setup_loss(name, model)).init(model, init_fn=seeded_init if meta else None)
+    return {"params": zf.gather_params(state), "buffers": dict(state.buffers)}
+
+
 def gathers_in_flight(name: str, stage: int, per_rank: int = 2) -> dict:
     """One step; which units were still being all-gathered when it returned,
     then the leaves once flattening has waited for them."""
@@ -84,12 +129,19 @@ def gathers_in_flight(name: str, stage: int, per_rank: int = 2) -> dict:
     return {"in_flight": in_flight, "left": len(state.params._filling), "leaves": leaves}
 
 
-def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: int = 0, clip: float | None = None) -> dict:
-    """Plain PyTorch: one process, torch.optim.AdamW, the global batch."""
+def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: int = 0, clip: float | None = None,
+              skips=None, meta: bool = False) -> dict:
+    """Plain PyTorch: one process, torch.optim.AdamW with its defaults, the global batch."""
     model = build(name, seed, **kw)
+    if meta:
+        for m in model.modules():
+            if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
+                seeded_init(m)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     losses = []
     for i in range(steps):
+        if skips is not None:
+            model.skip = skips[i]
         x, y = batch(name, model, i, batch_size, seed)
         opt.zero_grad()
         value = loss(name, model(x), y)
@@ -133,3 +185,56 @@ def run_research_step(name: str, kw: dict, steps: int = 3, per_rank: int = 2, se
         assert [g.shape for g in grads.leaves] == [p.shape for p in params.leaves]  # sharded like params
         params, opt_state = opt.update(grads, opt_state, params)
     return {"params": zf.gather_params(zf.State(params, opt_state, state.frozen, state.buffers, state.count, state.plan))}
+
+
+def meta_init_peak(units: int, width: int) -> dict:
+    """Bytes of RSS above the pre-model baseline at the peak of a zero3 meta-device init."""
+    import os
+    import resource
+
+    class Wide(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    step = zf.zero3(zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1)))
+    with torch.device("meta"):
+        step.init(Wide(2))  # loads the code paths once
+    before = rss()
+    with torch.device("meta"):
+        model = Wide(units)
+    state = step.init(model)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    full = sum(u.trainable.padded for u in state.params.spec.model.units) * 4
+    return {"peak": peak, "full": full, "held": state.params.nbytes(), "unit": 4 * (width * width + width)}
+
+
+def nonfinite_on_rank0(stage: int) -> str:
+    """A NaN in rank 0's batch only: every rank must raise, none may train on."""
+    rank, world, model, shape_model, loss_fn = _setup("odd_mlp", {}, 0)
+    step = compose(stage, loss_fn)
+    state = step.init(model)
+    x, y = local(batch("odd_mlp", shape_model, 0, 2 * world), rank, world)
+    if rank == 0:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    try:
+        step(state, (x, y))
+    except FloatingPointError as e:
+        return str(e)
+    return "trained on"
+
+
+def loss_with_uneven_batches(stage: int) -> dict:
+    """Rank r passes r + 1 examples: the loss metric is the mean of the ranks' losses."""
+    rank, world, model, shape_model, loss_fn = _setup("odd_mlp", {}, 0)
+    step = compose(stage, loss_fn)
+    state = step.init(model)
+    x, y = batch("odd_mlp", shape_model, 0, rank + 1)
+    own = loss_fn(zf.gather_params(state), (x, y)).item()
+    _, metrics = step(state, (x, y))
+    return {"own": own, "metric": metrics["loss"].item()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
@@ -135,7 +136,70 @@ class CrossTied(nn.Module):
         return self.inner[1][0](torch.tanh(self.inner[0](x)))
 
 
-MODELS = {"gpt": TiedGPT, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
+class External(nn.Module):
+    """Weights read outside their unit's forward: a gate weight in the root's forward,
+    a norm weight of the last block as a custom head, the embedding as a functional
+    LM head (``F.linear(h, self.emb[0].weight)``)."""
+
+    def __init__(self, vocab: int = 11, d: int = 6, depth: int = 2):
+        super().__init__()
+        self.emb = nn.ModuleList([nn.Embedding(vocab, d)])
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(depth))
+        self.gate = nn.ModuleList([nn.Linear(d, 1)])
+
+    def forward(self, idx):
+        h = self.emb[0](idx)
+        for block in self.blocks:
+            h = h + block(h) * torch.tanh(self.gate[0].weight.sum())
+        h = h * self.blocks[-1][0].weight
+        return F.linear(h, self.emb[0].weight)
+
+
+class CkptBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + checkpoint(self._mlp, self.ln(x), use_reentrant=False)
+
+    def _mlp(self, h):
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
+class Checkpointed(nn.Module):
+    """Activation checkpointing in a block's forward, and around whole blocks in the model's."""
+
+    def __init__(self, d: int = 6, depth: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.ModuleList(CkptBlock(d) for _ in range(depth))
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            x = checkpoint(block, x, use_reentrant=False) if i % 2 == 0 else block(x)
+        return self.out(x)
+
+
+class Skipping(DeepMLP):
+    """A residual MLP whose forward skips block ``self.skip`` (control flow, same on every rank)."""
+
+    def __init__(self, depth: int = 3):
+        super().__init__(4, 6, depth, 2)
+        self.skip = None
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = x + torch.tanh(block(x))
+        return self.out(x)
+
+
+MODELS = {"gpt": TiedGPT, "external": External, "checkpointed": Checkpointed, "skipping": Skipping, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
 
 
 def build(name: str, seed: int = 0, **kw) -> nn.Module:
@@ -150,13 +214,16 @@ def batch(name: str, model: nn.Module, step: int, size: int, seed: int = 0):
         vocab, seq = model.tok.num_embeddings, model.pos.shape[0]
         tokens = torch.randint(0, vocab, (size, seq + 1), generator=g)
         return tokens[:, :-1], tokens[:, 1:]
+    if name == "external":
+        tokens = torch.randint(0, model.emb[0].num_embeddings, (size, 5), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
     d_in = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
     d_out = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
     return torch.randn(size, d_in, generator=g), torch.randn(size, d_out, generator=g)
 
 
 def loss(name: str, logits, targets):
-    if name == "gpt":
+    if name in ("gpt", "external"):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return F.mse_loss(logits, targets)
 

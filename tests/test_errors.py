@@ -76,3 +76,121 @@ def test_loss_must_be_a_scalar():
     state = step.init(model)
     with pytest.raises(TypeError, match="scalar"):
         step(state, (torch.randn(2, 3), None))
+
+
+def _batch():
+    return torch.randn(4, 3), torch.randn(4, 2)
+
+
+def test_donated_state_passed_again():
+    model = build("no_list")
+    step = _step(model)
+    state = step.init(model)
+    new, _ = step(state, _batch())
+    with pytest.raises(ValueError, match="donated to a step.*use the state that step returned"):
+        step(state, _batch())
+    step(new, _batch())
+
+
+def test_world_size_in_the_environment_without_a_process_group(monkeypatch):
+    model = build("no_list")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .* no process group.*zf.dist.init\(\)"):
+        _step(model).init(model)
+
+
+@pytest.mark.parametrize("transform", [zf.zero1, zf.zero3])
+def test_nonfinite_gradient_raises_naming_step_and_unit_and_keeps_the_state(transform):
+    model = build("deep_mlp", d_in=3, width=4, depth=2, d_out=2)
+    step = _step(model, transform)
+    state, _ = step(step.init(model), (torch.randn(4, 3), torch.randn(4, 2)))
+    before = [t.clone() for t in zf.pytree.tree_leaves(state)]
+    x = torch.randn(4, 3)
+    x[1, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"step 1: non-finite gradient .* unit '<root>'.*not updated"):
+        step(state, (x, torch.randn(4, 2)))
+    zf.testing.assert_trees_all_equal(zf.pytree.tree_leaves(state), before)
+    state, metrics = step(state, _batch())  # the state is still usable
+    assert not metrics["skipped"]
+
+
+def test_nonfinite_gradient_skips_when_asked():
+    model = build("no_list")
+
+    def loss_fn(params, batch):
+        return F.mse_loss(zf.apply(model, params, batch[0]), batch[1])
+
+    step = zf.zero2(zf.train_step(loss_fn, zf.optim.adamw(1e-3), nonfinite="skip"))
+    state = step.init(model)
+    before = [t.clone() for t in zf.pytree.tree_leaves(state.params)] + [t.clone() for t in zf.pytree.tree_leaves(state.opt_state)]
+    x = torch.randn(4, 3)
+    x[0, 0] = float("inf")
+    state, metrics = step(state, (x, torch.randn(4, 2)))
+    assert metrics["skipped"] and int(state.count) == 1
+    zf.testing.assert_trees_all_equal([*zf.pytree.tree_leaves(state.params), *zf.pytree.tree_leaves(state.opt_state)], before)
+    state, metrics = step(state, _batch())
+    assert not metrics["skipped"] and int(state.opt_state.count) == 1
+
+
+@pytest.mark.parametrize("error", [
+    torch.distributed.DistBackendError("Connection closed by peer"),
+    torch.OutOfMemoryError("out of memory"),
+    RuntimeError("something else broke"),
+])
+def test_only_shape_errors_blame_the_batch(error):
+    model = build("no_list")
+
+    def loss_fn(params, batch):
+        raise error
+
+    step = zf.zero3(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+    state = step.init(model)
+    with pytest.raises(type(error)) as info:
+        step(state, _batch())
+    assert "check the batch" not in str(info.value).lower() and "matches what the model" not in str(info.value)
+    if isinstance(error, torch.distributed.DistError):
+        assert "another rank probably failed first" in "".join(info.value.__notes__)
+
+
+def test_using_the_model_outside_apply_says_how():
+    model = build("no_list")
+    _step(model).init(model)
+    with pytest.raises(RuntimeError, match=r"'net.0.weight' is held by a zfunc State.*zf.apply"):
+        model(torch.randn(2, 3))
+
+
+def test_composition_rules():
+    model = build("deep_mlp", d_in=3, width=4, depth=2, d_out=1)
+    base = zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3))
+    assert zf.zero3(zf.units(base, ["blocks.0"])).composition == "zero3(units(train_step, ['blocks.0']))"
+    with pytest.raises(ValueError, match=r"already has units \['blocks.0'\].*not also \['blocks.1'\]"):
+        zf.zero3(zf.units(base, ["blocks.0"]), units=["blocks.1"])
+    with pytest.raises(TypeError, match="zero2 transforms a zfunc Step"):
+        zf.zero2(lambda s, b: s)
+    assert zf.zero3(zf.units(base, ["blocks.0"]), units=["blocks.0"]).units == ["blocks.0"]
+
+
+def test_clip_reduces_on_the_leaves_device():
+    """The whole-model norm is accumulated on the gradients' own device (the group's),
+    so a nccl group never has to reduce a CPU scalar; the CUDA run is below."""
+    model = build("no_list")
+    state = _step(model).init(model)
+    assert state.params.sum_of_squares().device == state.params.leaves[0].device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and nccl")
+def test_clip_under_nccl_on_cuda(tmp_path):
+    import torch.distributed as tdist
+    tdist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = build("no_list").cuda()
+
+        def loss_fn(params, batch):
+            return F.mse_loss(zf.apply(model, params, batch[0]), batch[1])
+
+        step = zf.zero3(zf.train_step(loss_fn, zf.optim.chain(zf.optim.clip_by_global_norm(0.1), zf.optim.adamw(1e-3))))
+        state = step.init(model)
+        state, metrics = step(state, (torch.randn(4, 3, device="cuda"), torch.randn(4, 2, device="cuda")))
+        assert state.params.sum_of_squares().is_cuda and torch.isfinite(metrics["loss"])
+    finally:
+        tdist.destroy_process_group()

@@ -1,8 +1,8 @@
 """Per-rank model-state bytes follow the ZeRO formulas of DESIGN.md §3."""
 import pytest
 
-from cases import run_zfunc
-from workers import workers
+from cases import meta_init_peak, run_zfunc
+from workers import fresh_workers, workers
 
 P = G = 4  # fp32 parameters and gradients
 K = 8  # AdamW: fp32 first and second moments
@@ -49,3 +49,15 @@ def test_persistent_units_stay_replicated(world):
     assert r0["memory"]["param_bytes"] == P * psi
     assert r0["memory"]["optimizer_bytes"] == pytest.approx(K * psi / world, rel=0.05)
     assert r0["peak"] == 0
+
+
+def test_meta_device_init_never_holds_the_model():
+    """zero3 init of a meta-device model at W = 2: peak RSS above the baseline stays under
+    a budget of 3/4 of the model (each rank's half plus a few units), so no rank ever
+    held the whole model; the eager path needs the whole model before it starts."""
+    with fresh_workers(2) as group:
+        for r in group.run(meta_init_peak, 32, 700):
+            budget = 0.75 * r["full"]
+            assert r["held"] == pytest.approx(r["full"] / 2, rel=0.01)
+            assert r["peak"] < budget, f"init peaked at {r['peak'] / 2**20:.1f} MiB above baseline, budget {budget / 2**20:.1f} MiB"
+            assert r["peak"] < r["held"] + 6 * r["unit"]

@@ -23,10 +23,15 @@ def configs(draw):
     else:
         chosen = draw(st.sets(st.integers(0, depth - 1), min_size=1))
         units = [f"blocks.{i}" for i in sorted(chosen)] + draw(st.sampled_from([[], ["out"]]))
+    stage = draw(st.integers(0, 3))
+    # where the unit policy is given, and so the order of the transforms:
+    # zero3(f, units=), zf.units(zeroN(f)), zeroN(zf.units(f)), train_step(units=)
+    via = draw(st.sampled_from(["zero3", "outer", "inner", "base"] if stage == 3 else ["outer", "inner", "base"]))
     return {
         "kw": kw,
+        "units_via": via,
         "world": draw(st.sampled_from([1, 2, 3])),
-        "stage": draw(st.integers(0, 3)),
+        "stage": stage,
         "units": units,
         "threshold": draw(st.sampled_from([0, 0, 12])),
         "per_rank": draw(st.integers(1, 3)),
@@ -40,6 +45,6 @@ def test_any_composition_matches_pytorch(c):
     world = c["world"]
     expected = reference("deep_mlp", c["kw"], steps=3, batch_size=c["per_rank"] * world, clip=c["clip"])
     results = workers(world).run(run_zfunc, "deep_mlp", c["kw"], c["stage"], 3, c["per_rank"], 0,
-                                 c["units"], c["threshold"], c["clip"])
+                                 c["units"], c["threshold"], c["clip"], c["units_via"])
     for r in results:
         assert_close_to(r["params"], expected["params"])

@@ -1,7 +1,7 @@
 """zero1/2/3 at W = 1, 2, 3 equal plain PyTorch on the global batch (DESIGN.md §3)."""
 import pytest
 
-from cases import gathers_in_flight, reference, run_ddp, run_zfunc
+from cases import gathers_in_flight, loss_with_uneven_batches, nonfinite_on_rank0, reference, run_ddp, run_zfunc
 from workers import workers
 from zfunc.testing import assert_trees_all_close
 
@@ -69,3 +69,17 @@ def test_stage_1_2_gathers_finish_before_anyone_reads(stage):
         assert r["in_flight"], "no all-gather was left to overlap the next forward"
         assert r["left"] == 0
     assert_trees_all_close(results[0]["leaves"], results[1]["leaves"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_nonfinite_gradient_on_one_rank_stops_every_rank(stage):
+    for message in workers(2).run(nonfinite_on_rank0, stage):
+        assert message.startswith("step 0: non-finite gradient")
+
+
+def test_loss_metric_is_the_mean_of_the_ranks_losses():
+    """With uneven batches the metric weights ranks equally, as gradients do (like DDP)."""
+    results = workers(3).run(loss_with_uneven_batches, 3)
+    mean = sum(r["own"] for r in results) / 3
+    for r in results:
+        assert r["metric"] == pytest.approx(mean, rel=1e-6)

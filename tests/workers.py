@@ -101,6 +101,19 @@ def workers(world: int) -> WorkerGroup:
     return _groups[world]
 
 
+class fresh_workers:
+    """``with fresh_workers(world) as group:`` new processes, closed after (for peak-memory checks)."""
+
+    def __init__(self, world: int):
+        self.group = WorkerGroup(world)
+
+    def __enter__(self) -> WorkerGroup:
+        return self.group
+
+    def __exit__(self, *exc) -> None:
+        self.group.close()
+
+
 def close_all() -> None:
     for g in _groups.values():
         g.close()

@@ -196,7 +196,9 @@ class Tracker:
         """A parameter read during backward (an activation checkpoint recomputing its
         forward): its value from the unit, re-gathered as for saved tensors."""
         unit = self.by_name[name]
-        return unit.segment.unflatten(self._backward_buffer(unit))[name]
+        value = unit.segment.unflatten(self._backward_buffer(unit))[name].detach()
+        # as in forward, so the recomputation saves the same tensors (its graph is discarded)
+        return value.requires_grad_(unit.anchor.requires_grad)
 
     def _backward_buffer(self, unit: _Unit) -> torch.Tensor:
         buf = self.backward_cache.get(unit)
