@@ -379,3 +379,25 @@ def test_warmup_cosine_decay_matches_sequential_lr():
 
 def test_constant():
     assert [optim.constant(0.5)(k) for k in (0, 1, 10**6)] == [0.5, 0.5, 0.5]
+
+
+@pytest.mark.parametrize("make", ["adamw", "sgd"])
+def test_none_gradient_leaves_a_leaf_untouched_like_torch(make):
+    """A None gradient: no update, no decay, moments and the leaf's step count kept, as
+    torch.optim skips a parameter whose .grad is None (its bias correction later too)."""
+    params, grads_seq = make_problem([(3, 2), (4,)], seed=3)
+    ours = optim.adamw(FLOAT_LR) if make == "adamw" else optim.sgd(FLOAT_LR, momentum=0.9, dampening=0.1)
+    ps = [torch.nn.Parameter(p.clone()) for p in params]
+    theirs = (torch.optim.AdamW(ps, lr=FLOAT_LR) if make == "adamw"
+              else torch.optim.SGD(ps, lr=FLOAT_LR, momentum=0.9, dampening=0.1))
+    tree = [p.clone() for p in params]
+    state = ours.init(tree)
+    for i, grads in enumerate(grads_seq[:5]):
+        skip = i in (0, 2, 3)  # leaf 1 gets no gradient on these steps
+        for p, g, j in zip(ps, grads, range(2)):
+            p.grad = None if (skip and j == 1) else g.clone()
+        theirs.step()
+        tree, state = ours.update([g.clone() if not (skip and j == 1) else None for j, g in enumerate(grads)],
+                                  state, tree)
+    assert_trees_all_close(tree, [p.detach() for p in ps], rtol=RTOL, atol=ATOL)
+    assert [int(s) for s in state.steps] == [5, 2]
