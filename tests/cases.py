@@ -188,9 +188,13 @@ def run_research_step(name: str, kw: dict, steps: int = 3, per_rank: int = 2, se
 
 
 def meta_init_peak(units: int, width: int) -> dict:
-    """Bytes of RSS above the pre-model baseline at the peak of a zero3 meta-device init."""
+    """Bytes of RSS above the pre-model baseline at the peak of a zero3 meta-device init.
+
+    The peak is the kernel's high-water mark of this process's memory (VmHWM),
+    reset just before init; ``ru_maxrss`` would not do, since it carries the
+    parent's size across fork and exec.
+    """
     import os
-    import resource
 
     class Wide(nn.Module):
         def __init__(self, n):
@@ -205,10 +209,14 @@ def meta_init_peak(units: int, width: int) -> dict:
     with torch.device("meta"):
         step.init(Wide(2))  # loads the code paths once
     before = rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
     with torch.device("meta"):
         model = Wide(units)
     state = step.init(model)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    peak = hwm - before
     full = sum(u.trainable.padded for u in state.params.spec.model.units) * 4
     return {"peak": peak, "full": full, "held": state.params.nbytes(), "unit": 4 * (width * width + width)}
 
