@@ -30,6 +30,7 @@ from torch.func import functional_call
 
 from . import dist, layout, lazy
 from .materialize import Tracker, Units
+from .placement import grad_is_shard
 from .pytree import tree_flatten, tree_unflatten
 from .tree import ModelSpec, Params, ParamsSpec
 
@@ -207,7 +208,7 @@ def _call(loss_fn, params, batch):
 
 
 def _grad_spec(spec: ParamsSpec) -> ParamsSpec:
-    sharded = tuple(s or p.grads_sharded for s, p in zip(spec.sharded, spec.placements))
+    sharded = tuple(grad_is_shard(p, s) for s, p in zip(spec.sharded, spec.placements))
     return ParamsSpec(spec.model, spec.placements, sharded, spec.frozen, spec.group)
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from . import dist, layout, placement
-from .placement import Placement
+from .placement import Placement, grad_is_shard
 from .tree import Params
 
 
@@ -267,7 +267,7 @@ class Units:
             leaf, ready = params.leaf_when_ready(i)
             leaf = leaf.detach()
             anchor = None
-            if differentiable and place.grads_sharded and not sharded and w > 1:
+            if differentiable and grad_is_shard(place, sharded) and not sharded and w > 1:
                 # a gradient has its input's shape: a shard-shaped stand-in for a full leaf
                 anchor = torch.empty_strided((layout.shard_numel(leaf.numel(), w),), (0,), dtype=leaf.dtype,
                                              device=leaf.device)

@@ -100,6 +100,11 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group) -> dist.Pe
     return dist.all_reduce_mean_start(grad_full, group)
 
 
+def grad_is_shard(place: Placement, leaf_is_shard: bool) -> bool:
+    """Whether a unit's gradient, once home, is this rank's shard (else the full buffer)."""
+    return leaf_is_shard or place.grads_sharded
+
+
 def optimizer_slices(place: Placement, leaf_is_shard: bool) -> bool:
     """Whether the optimizer updates only this rank's slice of a leaf that holds the full buffer."""
     return place.opt_sharded and not leaf_is_shard
