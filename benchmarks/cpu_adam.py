@@ -19,7 +19,7 @@ and stands in only where the kernel cannot be built) and an in-place pass
 
 fp32 AdamW (lr 1e-3, wd 0.01):
   zfunc.optim.adamw   the public path: adamw(...).update(grads, state, params) on a dict
-  adam_update_        zfunc.ops.cpu_adam.adam_update_ (the fused kernel) directly
+  adam_update_        zfunc.ops.adam.adam_update_ (the fused kernel) directly
   torch fused         torch.optim.AdamW(fused=True)
   torch foreach       torch.optim.AdamW(foreach=True)
 Mixed-precision step (fp32 master weights and moments, bf16 model copy, loss
@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import zfunc.optim as zoptim  # noqa: E402
-from zfunc.ops import builder, cpu_adam  # noqa: E402
+from zfunc.ops import adam, builder, cpu_adam  # noqa: E402
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 LOSS_SCALE, MAX_NORM = 1024.0, 1.0
@@ -96,7 +96,7 @@ def bench_case(n: int, layout: str, threads: list[int], reps: int, foreach: bool
 
     def direct():
         step[0] += 1
-        cpu_adam.adam_update_(plist, glist, mlist, vlist, step=step[0], lr=LR, beta1=BETAS[0],
+        adam.adam_update_(plist, glist, mlist, vlist, step=step[0], lr=LR, beta1=BETAS[0],
                               beta2=BETAS[1], eps=EPS, weight_decay=WD, decoupled=True)
 
     tparams = [p.clone() for p in plist]
@@ -124,7 +124,7 @@ def bench_case(n: int, layout: str, threads: list[int], reps: int, foreach: bool
         if not finite:
             return
         clip = min(1.0, MAX_NORM / (math.sqrt(sumsq) / LOSS_SCALE + 1e-6))
-        cpu_adam.adam_update_(plist, g16, mlist, vlist, step=step[0], lr=LR, beta1=BETAS[0],
+        adam.adam_update_(plist, g16, mlist, vlist, step=step[0], lr=LR, beta1=BETAS[0],
                               beta2=BETAS[1], eps=EPS, weight_decay=WD, decoupled=True,
                               grad_scale=clip / LOSS_SCALE, lowp_params=low)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from adam_reference import adam_f64, assert_within
-from zfunc.ops import builder, cpu_adam
+from zfunc.ops import adam, builder, cpu_adam, torch_adam
 
 DISABLED = builder._disabled(cpu_adam.NAME)
 LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
@@ -53,7 +53,7 @@ def _ours(params, grads, *, decoupled, wd, state_dtype=torch.float32, grad_scale
         if grad_dtype is not None:
             gs = [g.to(grad_dtype) for g in gs]
         before = [g.clone() for g in gs]
-        cpu_adam.adam_update_(ps, gs, ms, vs, step=t, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+        adam.adam_update_(ps, gs, ms, vs, step=t, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
                               eps=EPS, weight_decay=wd, decoupled=decoupled,
                               grad_scale=grad_scale, lowp_params=lows)
         assert all(torch.equal(a, b) for a, b in zip(gs, before)), "grads were modified"
@@ -95,7 +95,7 @@ def test_lowp_rounding_edge_cases():
         low = torch.empty_like(p, dtype=lowp_dtype)
         g, m, v = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
         # lr = 0 and zero grads: the param stays, the copy is the cast of it
-        cpu_adam.adam_update_([p], [g], [m], [v], step=1, lr=0.0, beta1=0.9, beta2=0.999,
+        adam.adam_update_([p], [g], [m], [v], step=1, lr=0.0, beta1=0.9, beta2=0.999,
                               eps=1e-8, weight_decay=0.0, decoupled=True, lowp_params=[low])
         assert torch.equal(p[:n], special)
         assert torch.equal(low, p.to(lowp_dtype)), lowp_dtype
@@ -155,7 +155,7 @@ def test_bf16_params_without_master_match_the_fallback():
     rms = [torch.zeros_like(p, dtype=torch.float32) for p in ps]
     rvs = [torch.zeros_like(p, dtype=torch.float32) for p in ps]
     for t, gs in enumerate(grads, start=1):
-        cpu_adam.torch_adam_(ps, gs, rms, rvs, step=t, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
+        torch_adam.torch_adam_(ps, gs, rms, rvs, step=t, lr=LR, beta1=BETAS[0], beta2=BETAS[1],
                              eps=EPS, weight_decay=0.1, decoupled=True)
     for p, r in zip(ours, ps):
         assert p.dtype == torch.bfloat16
@@ -194,7 +194,7 @@ def test_noncontiguous_and_odd_inputs_fall_back_correctly():
     ms = [torch.zeros_like(p) for p in ps]
     vs = [torch.zeros_like(p) for p in ps]
     for t, gs in enumerate(grads, start=1):
-        cpu_adam.adam_update_(ps, gs, ms, vs, step=t, lr=LR, beta1=0.9, beta2=0.999, eps=EPS,
+        adam.adam_update_(ps, gs, ms, vs, step=t, lr=LR, beta1=0.9, beta2=0.999, eps=EPS,
                               weight_decay=0.1, decoupled=True)
     assert not ps[0].is_contiguous()
     ref = _reference(params, grads, decoupled=True, wd=0.1)
@@ -243,7 +243,7 @@ def test_nonfinite_and_sq_norm():
 def test_length_mismatch_is_a_clear_error():
     p = [torch.zeros(3)]
     with pytest.raises(ValueError, match="1 params but 0 grads"):
-        cpu_adam.adam_update_(p, [], p, p, step=1, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8,
+        adam.adam_update_(p, [], p, p, step=1, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8,
                               weight_decay=0.0, decoupled=True)
 
 
@@ -252,7 +252,7 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
     import torch
     warnings.simplefilter("always")
     with warnings.catch_warnings(record=True) as caught:
-        from zfunc.ops import builder, cpu_adam
+        from zfunc.ops import adam, builder, cpu_adam, torch_adam
         torch.manual_seed(0)
         p = torch.randn(5000)
         # Oracle: AdamW written out in float64 (torch.optim.AdamW's for-loop step
@@ -266,10 +266,10 @@ _FALLBACK_SCRIPT = textwrap.dedent("""
             ref = ref * (1 - 1e-2 * 0.1)
             rm, rv = 0.9 * rm + 0.1 * g.double(), 0.999 * rv + 0.001 * g.double() ** 2
             ref = ref - 1e-2 / (1 - 0.9 ** t) * rm / ((rv / (1 - 0.999 ** t)).sqrt() + 1e-8)
-            cpu_adam.adam_update_([p], [g * 4], [m], [v], step=t, lr=1e-2, beta1=0.9,
+            adam.adam_update_([p], [g * 4], [m], [v], step=t, lr=1e-2, beta1=0.9,
                                   beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
                                   grad_scale=0.25, lowp_params=[low])
-            cpu_adam.adam_update_([p[:0]], [g[:0]], [m[:0]], [v[:0]], step=t, lr=1e-2,
+            adam.adam_update_([p[:0]], [g[:0]], [m[:0]], [v[:0]], step=t, lr=1e-2,
                                   beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                                   decoupled=True)
     rel = (p.double() - ref).abs() / ref.abs().clamp_min(1)  # fp32 rounding: ~1e-7
@@ -314,7 +314,7 @@ def test_portable_builds_match(isa):
     """The auto-vectorised (AVX2) and plain builds give the AVX-512 build's numbers."""
     script = textwrap.dedent("""
         import json, torch
-        from zfunc.ops import builder, cpu_adam
+        from zfunc.ops import adam, builder, cpu_adam, torch_adam
         gen = torch.Generator().manual_seed(0)
         shapes = [4099, 33]
         ps = [torch.randn(s, generator=gen) for s in shapes]
@@ -323,7 +323,7 @@ def test_portable_builds_match(isa):
         lows = [torch.empty(s, dtype=torch.float16) for s in shapes]
         for t in range(1, 4):
             gs = [torch.randn(s, generator=gen).half() for s in shapes]
-            cpu_adam.adam_update_(ps, gs, ms, vs, step=t, lr=1e-2, beta1=0.9, beta2=0.999,
+            adam.adam_update_(ps, gs, ms, vs, step=t, lr=1e-2, beta1=0.9, beta2=0.999,
                                   eps=1e-8, weight_decay=0.1, decoupled=t % 2 == 0,
                                   grad_scale=0.5, lowp_params=lows)
         s = cpu_adam.nonfinite_and_sq_norm(gs + lows)
@@ -336,7 +336,7 @@ def test_portable_builds_match(isa):
             for dt in (torch.bfloat16, torch.float16):
                 p, low = x.clone(), torch.empty_like(x, dtype=dt)
                 z = torch.zeros_like(x)
-                cpu_adam.adam_update_([p], [z], [z.clone()], [z.clone()], step=1, lr=0.0,
+                adam.adam_update_([p], [z], [z.clone()], [z.clone()], step=1, lr=0.0,
                                       beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                                       decoupled=True, lowp_params=[low])
                 casts_ok &= torch.equal(low.view(torch.int16), x.to(dt).view(torch.int16)) or (

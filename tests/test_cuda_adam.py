@@ -16,7 +16,7 @@ import sysconfig
 import pytest
 import torch
 
-from zfunc.ops import builder, cpu_adam, cuda_adam
+from zfunc.ops import adam, builder, cpu_adam, cuda_adam, torch_adam
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 BACKENDS = ["emulated", pytest.param("cuda", marks=needs_cuda)]
@@ -91,7 +91,7 @@ class Backend:
         self.name = name
         if name == "cuda":
             self.device = torch.device("cuda")
-            self.update = cpu_adam.adam_update_  # routes CUDA tensors to the kernel
+            self.update = adam.adam_update_  # routes CUDA tensors to the kernel
             return
         module = cuda_adam.load_emulated()
         assert module is not None, _row(cuda_adam.NAME + "_emulated")["reason"]
@@ -183,7 +183,7 @@ def test_low_precision_params_with_fp32_state(backend, param_dtype):
     rm = [torch.zeros(s, device=dev) for s in shapes]
     rv = [torch.zeros(s, device=dev) for s in shapes]
     for t, gs in enumerate(grads, start=1):
-        cpu_adam.torch_adam_(rp, [g.to(dev) for g in gs], rm, rv, step=t, lr=LR,
+        torch_adam.torch_adam_(rp, [g.to(dev) for g in gs], rm, rv, step=t, lr=LR,
                              beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1,
                              decoupled=True)
     ulp = 2.0 ** -7 if param_dtype == torch.bfloat16 else 2.0 ** -10
@@ -212,7 +212,7 @@ def test_mixed_dtypes_in_one_call(backend):
     for i in range(len(shapes)):  # each tensor alone through torch, in fp32, then rounded
         p = init[i].to(dev, pdt[i], copy=True).float()
         m, v = torch.zeros_like(ms[i]), torch.zeros_like(ms[i])
-        cpu_adam.torch_adam_([p], [gs[i].float()], [m], [v], **kw)
+        torch_adam.torch_adam_([p], [gs[i].float()], [m], [v], **kw)
         assert torch.equal(ps[i], p.to(pdt[i])) or torch.allclose(
             ps[i].float(), p.to(pdt[i]).float(), rtol=2.0 ** -7, atol=1e-6), i
         torch.testing.assert_close(ms[i], m, rtol=1e-6, atol=1e-7)

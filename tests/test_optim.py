@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR
 
-import zfunc.ops.cpu_adam
+import zfunc.ops.adam
 from zfunc import optim
 from zfunc.pytree import global_norm, register_node, tree_leaves, tree_map, tree_structure
 from zfunc.testing import assert_trees_all_close, assert_trees_all_equal, assert_trees_all_equal_structs
@@ -185,13 +185,13 @@ def test_clip_leaves_small_updates_unchanged():
 
 def test_adam_family_goes_through_one_fused_call(monkeypatch):
     calls = []
-    real = zfunc.ops.cpu_adam.adam_update_
+    real = zfunc.ops.adam.adam_update_
 
     def counting(params, *args, **kw):
         calls.append((len(params), kw["decoupled"], kw["step"]))
         return real(params, *args, **kw)
 
-    monkeypatch.setattr(zfunc.ops.cpu_adam, "adam_update_", counting)
+    monkeypatch.setattr(zfunc.ops.adam, "adam_update_", counting)
     params, grads = make_problem([(3, 2), (5,), (), (1, 7)])
     for make, decoupled in ((optim.adamw, True), (optim.adam, False)):
         calls.clear()
@@ -201,13 +201,13 @@ def test_adam_family_goes_through_one_fused_call(monkeypatch):
 
 def test_adamw_keeps_fp32_moments_for_low_precision_params(monkeypatch):
     calls = []
-    real = zfunc.ops.cpu_adam.adam_update_
+    real = zfunc.ops.adam.adam_update_
 
     def counting(params, *args, **kw):
         calls.append(sorted(str(p.dtype) for p in params))
         return real(params, *args, **kw)
 
-    monkeypatch.setattr(zfunc.ops.cpu_adam, "adam_update_", counting)
+    monkeypatch.setattr(zfunc.ops.adam, "adam_update_", counting)
     gen = torch.Generator().manual_seed(4)
     params = {"w": torch.randn(4, 3, generator=gen), "h": torch.randn(6, generator=gen).bfloat16()}
     grads = {"w": torch.randn(4, 3, generator=gen), "h": torch.randn(6, generator=gen).bfloat16()}

@@ -52,7 +52,7 @@ from typing import Any, Callable, NamedTuple, Union
 import optree
 import torch
 
-from zfunc.ops import cpu_adam
+from zfunc.ops import adam as fused_adam
 from zfunc.pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
 
 PyTree = Any
@@ -226,7 +226,7 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         # grads) and does the math in fp32.
         for step, idx in _live_by_step(g, steps).items():
             pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
-            cpu_adam.adam_update_(
+            fused_adam.adam_update_(
                 pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, decoupled=decoupled,
             )

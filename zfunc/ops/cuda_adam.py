@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from . import builder
-from .cpu_adam import torch_adam_
+from .torch_adam import torch_adam_
 
 NAME = "cuda_adam"
 SOURCES = ["adam/cuda_adam.cpp", "adam/cuda_adam.cu"]
@@ -46,7 +46,7 @@ def adam_update_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  step: int, lr: float, beta1: float, beta2: float, eps: float,
                  weight_decay: float, decoupled: bool, grad_scale: float = 1.0,
                  lowp_params: Sequence[torch.Tensor] | None = None) -> None:
-    """``zfunc.ops.cpu_adam.adam_update_`` for CUDA tensors (same contract)."""
+    """``zfunc.ops.adam.adam_update_`` for CUDA tensors (same contract)."""
     kw = dict(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
               eps=float(eps), weight_decay=float(weight_decay), decoupled=bool(decoupled),
               grad_scale=float(grad_scale))
