@@ -29,7 +29,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+def _sources_dir() -> Path:
+    """The C++/CUDA sources: ``zfunc/_csrc`` in an installed wheel (package data),
+    the repository's ``csrc/`` in a checkout or an editable install."""
+    here = Path(__file__).resolve().parents[1]
+    installed = here / "_csrc"
+    return installed if installed.is_dir() else here.parent / "csrc"
+
+
+CSRC = _sources_dir()
 
 _lock = threading.RLock()
 _results: dict[str, dict[str, Any]] = {}
