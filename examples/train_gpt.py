@@ -12,11 +12,11 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
 import zfunc as zf
+from zfunc.ops import cpu_adam
 from gpt import GPT, GPTConfig, decode, encode, generate, get_batch, num_params, rank_generator, split, stdlib_corpus
 
 # flags avoid --d.../--n... prefixes: torchrun would take them for its own options
@@ -81,6 +81,7 @@ def val_loss():
 # -----------------------------------------------------------------------------
 # training
 
+cpu_adam.load()  # the fused Adam is compiled on first use (once, and it says so): before the bar starts
 initial_val = val_loss()
 tokens_per_step = world * args.batch * args.seq
 tok_s = None
@@ -106,6 +107,4 @@ if master:
     print(decode(out[0]))
     print("-" * 60)
 
-if dist.is_initialized():  # gloo may abort at interpreter exit otherwise (torchrun then returns 1)
-    dist.barrier()
-    dist.destroy_process_group()
+zf.dist.shutdown()  # gloo may abort at interpreter exit otherwise (torchrun then returns 1)

@@ -204,3 +204,14 @@ def test_processes_building_at_once_share_one_build(tmp_path):
     assert all(r["ok"] for r in results)
     assert len({r["file"] for r in results}) == 1  # one shared object, not three builds
     assert len(list((tmp_path / "ext").rglob("*.so"))) == 1
+
+
+def test_a_real_build_says_so_first_and_a_cached_load_does_not(tmp_path):
+    """A compile takes a while on a fresh machine: one line on stderr before it, none after."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop("ZFUNC_OPS_DISABLE", None)
+    runs = [subprocess.run([sys.executable, "-c", _CONCURRENT_BUILD, "0"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=600) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    assert "zfunc: building native op 'bench_stream_copy', once" in runs[0].stderr
+    assert "building native op" not in runs[1].stderr

@@ -226,6 +226,7 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
             from torch.utils import cpp_extension
 
             ext = _ext_name(name, cflags, ldflags, cuda)
+            _announce_build(name, ext)
             try:
                 module = cpp_extension.load(
                     name=ext,
@@ -251,6 +252,16 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
                               f"{row['reason']}", OpBuildWarning, stacklevel=2)
         _results[name] = row
         return module
+
+
+def _announce_build(name: str, ext: str) -> None:
+    """One line on stderr before a real compile (not a cached load): it takes a while."""
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(ext, verbose=False))
+    if not any(build_dir.glob(f"{ext}*.so")):
+        print(f"zfunc: building native op {name!r}, once (about a minute; cached in {build_dir.parent})",
+              file=sys.stderr, flush=True)
 
 
 def report() -> list[dict]:
