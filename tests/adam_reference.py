@@ -70,7 +70,7 @@ def adam_f64(params, grads, *, lr, betas, eps, wd, decoupled) -> Reference:
 def assert_within(got, want, tol, what: str = "params") -> None:
     """Every element of ``got`` within ``tol`` of the float64 ``want``."""
     for i, (g, w, t) in enumerate(zip(got, want, tol)):
-        err = (g.double() - w).abs()
+        err = (g.detach().double().cpu() - w).abs()
         bad = err > t
         if bad.any():
             j = int((err - t).argmax())

@@ -1,4 +1,4 @@
-"""The fused CPU Adam (zfunc.ops.cpu_adam) against torch.optim.Adam/AdamW.
+"""The fused CPU Adam (zfunc.ops.cpu_adam) against Adam in float64 (tests/adam_reference.py).
 
 The kernel must build on this machine (CI installs gcc and ninja) unless
 ZFUNC_OPS_DISABLE is set, in which case these tests check the fallback.
