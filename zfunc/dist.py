@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import buffers, layout
 
 def init(backend: str | None = None) -> None:
     """Start the default process group from torchrun's environment, if any.
@@ -122,7 +122,7 @@ def all_gather_start(shard: torch.Tensor, group=None) -> Pending:
     if w == 1:
         return Pending(shard)
     shard = shard.contiguous()
-    out = torch.empty(shard.numel() * w, dtype=shard.dtype, device=shard.device)
+    out = buffers.take(shard.numel() * w, shard.dtype, shard.device)
     return Pending(out, dist.all_gather_single(out, shard, group=group, async_op=True), keep=shard)
 
 
@@ -151,11 +151,15 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
     if w == 1:
         return Pending(full)
     full = full.contiguous()
-    out = torch.empty(layout.shard_numel(full.numel(), w), dtype=full.dtype, device=full.device)
+    out = buffers.empty(layout.shard_numel(full.numel(), w), full.dtype, full.device)
     if scratch and dist.get_backend(group) == "gloo":
         mine = layout.shard(full, rank(group), w)
-        return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full,
-                       finish=lambda: torch.div(mine, w, out=out))
+
+        def finish():
+            torch.div(mine, w, out=out)
+            buffers.give(full)  # the caller gave it up: the next gather of its size reuses it
+
+        return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish)
     return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
 
 

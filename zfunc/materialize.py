@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dist, layout, placement
+from . import buffers, dist, layout, placement
 from .placement import Placement, grad_is_shard
 from .tree import Params
 
@@ -115,7 +115,7 @@ class Unflatten(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         numel, dtype, device = ctx.flat
-        flat = torch.empty(numel, dtype=dtype, device=device)
+        flat = buffers.take(numel, dtype, device)
         offset = 0
         for entry, g in zip(ctx.segment.entries, grads):
             dst = flat[offset : offset + entry.numel]
@@ -174,6 +174,7 @@ class Tracker:
     def released(self, unit: _Unit, buf: torch.Tensor) -> None:
         if self.live.pop(buf.untyped_storage().data_ptr(), None) is not None:
             self.freed(buf)
+            buffers.give(buf)
 
     def pack(self, t: torch.Tensor):
         if not self.live or t.layout != torch.strided:
@@ -221,6 +222,8 @@ class Tracker:
         buf = self.backward_cache.pop(unit, None)
         if buf is not None:
             self.freed(buf)
+            if unit.gathers:
+                buffers.give(buf)
 
     def reducing(self, pending: dist.Pending) -> None:
         """Track a reduction in flight; at most two, so gradients do not pile up."""
@@ -242,8 +245,11 @@ class Tracker:
         self.finish()
         for unit in self.units:
             if unit.pending is not None:
-                unit.pending.wait()
+                buffers.give(unit.pending.wait())
                 unit.pending = None
+        for unit, buf in self.backward_cache.items():
+            if unit.gathers:
+                buffers.give(buf)
         self.backward_cache.clear()
         self.live.clear()
         self.current = 0

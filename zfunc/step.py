@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import allocator, dist, lazy, layout
+from . import dist, lazy, layout
 from .grad import forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .placement import Placement
@@ -129,8 +129,6 @@ class Step:
         w, r = dist.world_size(group), dist.rank(group)
         spec = build_spec(model, self.units, w)
         places = tuple(self.placement(u.trainable.numel + u.frozen.numel) for u in spec.units)
-        if any(p.params_sharded for p in places):
-            allocator.configure()  # gathered buffers come and go: give their memory back promptly
         device = dist.device_of(group) if device is None else torch.device(device)
         trainable, frozen = [], []
         for i, *flats in unit_buffers(model, spec, device, init_fn):

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import dist, layout
+from . import buffers, dist, layout
 from .placement import Placement, optimizer_slices
 from .pytree import register_node
 
@@ -207,7 +207,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
 
 def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
     """Copy ``model``'s parameters of ``seg`` into one new zero-padded flat buffer on ``device``."""
-    flat = torch.zeros(seg.padded, dtype=seg.dtype, device=device)
+    flat = buffers.zeros(seg.padded, seg.dtype, device)
     for e in seg.entries:
         owner, _, attr = e.name.rpartition(".")
         p = model.get_submodule(owner)._parameters[attr]

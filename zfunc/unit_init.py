@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from . import buffers
 from .tree import ModelSpec, flatten_segment
 
 
@@ -71,8 +72,8 @@ class _materialized:
                 for attr in attrs:
                     p = module._parameters[attr]
                     self.saved.append((module, attr, p))
-                    module._parameters[attr] = nn.Parameter(
-                        torch.empty(p.shape, dtype=p.dtype, device=self.device), requires_grad=p.requires_grad)
+                    storage = buffers.empty(p.numel(), p.dtype, self.device).view(p.shape)  # unmapped after
+                    module._parameters[attr] = nn.Parameter(storage, requires_grad=p.requires_grad)
                 _materialize_buffers(module, self.device)
                 _init_module(path, module, self.init_fn, attrs)
 
