@@ -215,3 +215,21 @@ def test_a_real_build_says_so_first_and_a_cached_load_does_not(tmp_path):
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
     assert "zfunc: building native op 'bench_stream_copy', once" in runs[0].stderr
     assert "building native op" not in runs[1].stderr
+
+
+def test_a_build_killed_midway_does_not_hang_the_next(tmp_path):
+    """torch's build lock is a plain file: a build killed while compiling leaves it behind
+    and every later build of the op would wait for it forever. The next build removes it."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop("ZFUNC_OPS_DISABLE", None)
+    run = lambda: subprocess.run([sys.executable, "-c", _CONCURRENT_BUILD, "0"], env=env, cwd=ROOT,  # noqa: E731
+                                 capture_output=True, text=True, timeout=300)
+    first = run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    [so] = list((tmp_path / "ext").rglob("*.so"))
+    so.unlink()  # what a killed build leaves: no shared object, and torch's lock file
+    (so.parent / "lock").touch()
+    second = run()
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "left by a build that did not finish" in second.stderr
+    assert json.loads(second.stdout.strip().splitlines()[-1])["ok"]

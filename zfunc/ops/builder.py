@@ -16,6 +16,8 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -226,18 +228,19 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
             from torch.utils import cpp_extension
 
             ext = _ext_name(name, cflags, ldflags, cuda)
-            _announce_build(name, ext)
             try:
-                module = cpp_extension.load(
-                    name=ext,
-                    sources=[str(CSRC / s) for s in sources],
-                    extra_cflags=cflags,
-                    extra_cuda_cflags=["-O3", "-lineinfo"] if cuda else None,
-                    extra_ldflags=ldflags,
-                    extra_include_paths=[str(CSRC)],
-                    with_cuda=cuda,
-                    verbose=os.environ.get("ZFUNC_OPS_VERBOSE", "") not in ("", "0"),
-                )
+                with _build_lock(ext):
+                    _announce_build(name, ext)
+                    module = cpp_extension.load(
+                        name=ext,
+                        sources=[str(CSRC / s) for s in sources],
+                        extra_cflags=cflags,
+                        extra_cuda_cflags=["-O3", "-lineinfo"] if cuda else None,
+                        extra_ldflags=ldflags,
+                        extra_include_paths=[str(CSRC)],
+                        with_cuda=cuda,
+                        verbose=os.environ.get("ZFUNC_OPS_VERBOSE", "") not in ("", "0"),
+                    )
                 row["module"] = ext
             except Exception as e:  # a failed compile or load: fall back, say why
                 reason = f"build failed: {_short(e)}"
@@ -252,6 +255,31 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
                               f"{row['reason']}", OpBuildWarning, stacklevel=2)
         _results[name] = row
         return module
+
+
+@contextlib.contextmanager
+def _build_lock(ext: str):
+    """Hold an OS lock on the build directory while torch builds or loads there.
+
+    torch's own lock is a file that a killed build leaves behind, and every
+    later build of that op then waits for it forever (a hung CI run). The
+    kernel drops our ``flock`` when its holder dies, so whoever holds it knows
+    any torch lock file it finds is stale, and removes it.
+    """
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(ext, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "zfunc-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            print(f"zfunc: removing {stale}, left by a build that did not finish", file=sys.stderr, flush=True)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _announce_build(name: str, ext: str) -> None:
