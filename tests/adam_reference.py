@@ -18,7 +18,9 @@ moves the update by lr*mag_hat/(sqrt(v_hat)+eps) times that. Errors of
 earlier steps carry over unamplified (the update of p is additive), so the
 bound after T steps is the per-element sum over steps:
 tol = C * u * sum_t (|p_t| + lr*wd*|p_t| + |update_t| + lr*mag_hat_t/(sqrt(v_hat_t)+eps)),
-and for m the sum of |b1*m| + (1-b1)*|g|, for v the sum of its terms.
+and for m the sum of |b1*m| + (1-b1)*(|g| + wd*|p|), for v the sum of its terms
+(with |g| + wd*|p| for the gradient: under L2 decay the sum g + wd*p may cancel,
+and the parameter's error so far, wd times its bound, enters that sum too).
 """
 from __future__ import annotations
 
@@ -50,13 +52,16 @@ def adam_f64(params, grads, *, lr, betas, eps, wd, decoupled) -> Reference:
             g = g.double()
             p = ps[i]
             decay = lr * wd * p.abs() if decoupled else torch.zeros_like(p)
-            mag[i] = b1 * mag[i] + (1 - b1) * (g.abs() + (0.0 if decoupled else wd) * p.abs())
+            terms = g.abs() + (0.0 if decoupled else wd) * p.abs()  # what g + wd*p rounds relative to
+            mag[i] = b1 * mag[i] + (1 - b1) * terms
             if decoupled:
                 p.mul_(1 - lr * wd)
             else:
                 g = g + wd * p
-            tm[i] += b1 * ms[i].abs() + (1 - b1) * g.abs()
-            tv[i] += b2 * vs[i] + (1 - b2) * g * g
+            # under L2 decay the parameter's own error so far enters g + wd*p
+            carried = 0.0 if decoupled else wd * tp[i]
+            tm[i] += b1 * ms[i].abs() + (1 - b1) * (terms + carried)
+            tv[i] += b2 * vs[i] + (1 - b2) * terms * (terms + 2 * carried)
             ms[i] = b1 * ms[i] + (1 - b1) * g
             vs[i] = b2 * vs[i] + (1 - b2) * g * g
             denom = (vs[i] / (1 - b2 ** t)).sqrt() + eps
