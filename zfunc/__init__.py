@@ -7,8 +7,11 @@
 This file is the map of the library: everything public is imported here.
 """
 from . import dist, optim, testing
+from .accumulate import accumulate
 from .grad import apply, grad, value_and_grad
+from .loss_scale import LossScaler
 from .placement import Placement
+from .precision import mixed_precision
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .tree import Params
@@ -16,6 +19,7 @@ from .zero import set_units as units
 from .zero import zero1, zero2, zero3
 
 __all__ = [
-    "Placement", "State", "Step", "Params", "apply", "dist", "eval_step", "gather_params", "grad",
-    "memory_report", "optim", "testing", "train_step", "units", "value_and_grad", "zero1", "zero2", "zero3",
+    "LossScaler", "Placement", "State", "Step", "Params", "accumulate", "apply", "dist", "eval_step",
+    "gather_params", "grad", "memory_report", "mixed_precision", "optim", "testing", "train_step", "units",
+    "value_and_grad", "zero1", "zero2", "zero3",
 ]

@@ -97,7 +97,8 @@ class Pending:
     """A collective in flight: ``wait()`` returns its result (mean-scaled if asked).
 
     ``out`` exists from the start and is filled by the time ``wait()``
-    returns; ``finish`` (if given) runs after the collective to fill it.
+    returns; ``finish`` (if given) runs after the collective to fill it,
+    in place of the division by ``divisor``.
     """
 
     __slots__ = ("out", "work", "divisor", "keep", "finish")
@@ -105,15 +106,26 @@ class Pending:
     def __init__(self, out: torch.Tensor, work=None, divisor: int = 1, keep=None, finish=None):
         self.out, self.work, self.divisor, self.keep, self.finish = out, work, divisor, keep, finish
 
+    @property
+    def done(self) -> bool:
+        """Nothing left to wait for: ``out`` holds the result now."""
+        return self.work is None and self.finish is None
+
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
-            if self.finish is not None:
-                self.finish()
-            elif self.divisor != 1:
+            self.work = None
+            if self.finish is None and self.divisor != 1:
                 self.out.div_(self.divisor)
-            self.work = self.keep = self.finish = None
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        self.keep = None
         return self.out
+
+    def then(self, fn, out: torch.Tensor | None = None) -> "Pending":
+        """Waits for this one, then calls ``fn(result)``, which fills ``out`` (default: this one's)."""
+        return Pending(self.out if out is None else out, finish=lambda: fn(self.wait()))
 
 
 def all_gather_start(shard: torch.Tensor, group=None) -> Pending:

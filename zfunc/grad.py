@@ -207,7 +207,8 @@ def _call(loss_fn, params, batch):
         ) from e
 
 
-def _grad_spec(spec: ParamsSpec) -> ParamsSpec:
+def grad_spec(spec: ParamsSpec) -> ParamsSpec:
+    """The spec of gradients of ``spec``'s parameters in their home form (which leaves are shards)."""
     sharded = tuple(grad_is_shard(p, s) for s, p in zip(spec.sharded, spec.placements))
     return ParamsSpec(spec.model, spec.placements, sharded, spec.frozen, spec.group)
 
@@ -245,6 +246,7 @@ class GradOut(NamedTuple):
     aux: Any
     grads: Params  # in the home representation; None for a unit no rank on this one used
     peak: int  # most bytes of gathered units alive at once
+    grad_scale: float = 1.0  # the true gradients are grads times this (1/loss scale, 1/micro-batches)
 
 
 def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
@@ -254,16 +256,20 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
     with the other ranks whether anyone used it).
     """
 
-    def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None, scale=None):
+    def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None, scale=None, sink=None):
+        """``scale`` multiplies the loss before backward (fp16 loss scaling);
+        ``sink`` (zfunc.accumulate) takes each unit's gradient instead of autograd."""
         if not isinstance(params, Params):
             return GradOut(*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
         with materialized(params, frozen, buffers, differentiable=True) as (view, tracker, anchors):
+            tracker.sink = sink
             loss, aux = _split(forward(loss_fn, view, tracker, batch), has_aux)
             with lazy.resolving(tracker):
                 grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
             tracker.finish()
             peak = tracker.peak
-        return GradOut(loss.detach(), aux, Params(_grad_spec(params.spec), grads), peak)
+        return GradOut(loss.detach(), aux, Params(grad_spec(params.spec), grads), peak,
+                       1.0 if scale is None else 1.0 / scale)
 
     return run
 
@@ -306,7 +312,7 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False):
     inner = value_and_grad_with_stats(loss_fn, has_aux)
 
     def run(params, batch, **kw):
-        loss, aux, grads, _ = inner(params, batch, **kw)
+        loss, aux, grads, *_ = inner(params, batch, **kw)
         if isinstance(grads, Params):
             grads = zeros_for_unused(grads)
         return ((loss, aux) if has_aux else loss), grads

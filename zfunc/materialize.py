@@ -61,10 +61,13 @@ class _Unit:
         pending, self.pending = self.pending, None
         return pending.wait()
 
-    def reduce(self, grad_full: torch.Tensor) -> torch.Tensor:
+    def reduce(self, grad_full: torch.Tensor) -> torch.Tensor | None:
         # grad_full is ours (Unflatten's backward made it): it is reduced in place
-        pending = placement.send_home_start(self.place, grad_full, self.group)
-        if pending.work is None:
+        if self.tracker.sink is not None:  # accumulating: the sink takes it, autograd gets None
+            self.tracker.sink.take(self, grad_full)
+            return None
+        pending = placement.send_home_start(self.place, grad_full, self.group, out_dtype=self.anchor.dtype)
+        if pending.done:
             return pending.out
         if self.uses > 1:  # autograd will add this gradient to another: it must be final now
             return pending.wait()
@@ -157,6 +160,7 @@ class Tracker:
         self.by_name: dict[str, _Unit] = {}  # canonical parameter name -> its unit
         self.current = 0
         self.peak = 0
+        self.sink = None  # a GradSink while accumulating (zfunc.accumulate)
 
     def allocated(self, buf: torch.Tensor) -> None:
         self.current += buf.numel() * buf.element_size()

@@ -39,6 +39,16 @@ A ``None`` gradient leaf means "no gradient": that leaf is not updated, its
 moments and its ``steps`` stay as they were, exactly as ``torch.optim``
 skips a parameter whose ``.grad`` is None.
 
+What a step knows, folded in. A training step calls ``update`` with keywords
+``info=GradInfo(scale, sq_norm)`` (multiply the gradients by ``scale`` to get
+the true ones: loss-scale unscale, 1/micro-batches; ``sq_norm``: their squared
+global norm as handed over, already read to check for inf/NaN) and, under
+mixed precision, ``lowp_params`` (low-precision copies to write the updated
+parameters to). zfunc's optimizers and ``chain`` take them (``fusing``), so
+unscale, the clip factor, the update and the cast are one kernel pass over
+the gradients; ``apply_update`` calls any other optimizer plainly, after
+scaling the gradients itself.
+
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
 of updates applied before the current one (0 for the first update), as
 ``torch.optim.lr_scheduler.LambdaLR`` counts.
@@ -47,6 +57,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Union
 
 import optree
@@ -72,6 +83,59 @@ class Optimizer(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+@dataclass
+class GradInfo:
+    """What a step knows about the gradients it hands an optimizer (see the module docstring).
+
+    Transformations that take it fold their own factor into ``scale`` (the
+    gradients stay as they are) and read ``sq_norm`` instead of the gradients;
+    ``sq_norm`` always describes the gradients as handed over, so the true
+    global norm is ``sqrt(sq_norm) * scale``.
+    """
+
+    scale: float = 1.0
+    sq_norm: float | None = None
+
+    def norm(self, updates) -> float:
+        """The global norm of the true gradients (``updates`` times ``scale``)."""
+        sq = self.sq_norm if self.sq_norm is not None else float(global_norm(updates)) ** 2
+        return math.sqrt(sq) * self.scale
+
+
+def fusing(update: Callable) -> Callable:
+    """Mark ``update`` as taking ``info=`` and ``lowp_params=`` (see the module docstring)."""
+    update.fuses = True
+    return update
+
+
+def _scale_(tree, scale: float) -> None:
+    """Multiply every tensor leaf of ``tree`` by ``scale``, in place."""
+    if scale == 1.0:
+        return
+    by_device = defaultdict(list)
+    for g in tree_flatten(tree)[0]:
+        if g is not None:
+            by_device[g.device].append(g)
+    for grads in by_device.values():
+        torch._foreach_mul_(grads, scale)
+
+
+def apply_update(optimizer: "Optimizer", grads, opt_state, params, *, info: GradInfo | None = None,
+                 lowp_params=None):
+    """``optimizer.update``, with ``info`` and ``lowp_params`` folded in by the
+    optimizer when it takes them, else done here: gradients scaled in place
+    first, updated parameters cast into ``lowp_params`` after."""
+    if getattr(optimizer.update, "fuses", False):
+        kw = {k: v for k, v in (("info", info), ("lowp_params", lowp_params)) if v is not None}
+        return optimizer.update(grads, opt_state, params, **kw)
+    if info is not None:
+        _scale_(grads, info.scale)
+    params, opt_state = optimizer.update(grads, opt_state, params)
+    if lowp_params is not None:
+        tree_map(lambda lo, p: lo.copy_(p), lowp_params, params)
+    return params, opt_state
 
 
 class EmptyState(NamedTuple):
@@ -118,7 +182,7 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
-    def transform_grads(updates, state, params):
+    def transform_grads(updates, state, params, info):
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(
                 f"chain of {len(transforms)} transformations got a state of "
@@ -127,23 +191,33 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
             )
         new_state = []
         for t, s in zip(grad_tx, state):
-            updates, s = t.update(updates, s, params)
+            if info is not None and getattr(t.update, "fuses", False):
+                updates, s = t.update(updates, s, params, info=info)
+            else:
+                if info is not None:  # a transformation that reads the true values
+                    _scale_(updates, info.scale)
+                    info.scale, info.sq_norm = 1.0, None
+                updates, s = t.update(updates, s, params)
             new_state.append(s)
         return updates, new_state
 
     if applies:
-        def update(grads, opt_state, params):
-            grads, new_state = transform_grads(grads, opt_state, params)
-            params, last = transforms[-1].update(grads, opt_state[-1], params)
+        def update(grads, opt_state, params, *, info=None, lowp_params=None):
+            grads, new_state = transform_grads(grads, opt_state, params, info)
+            params, last = apply_update(transforms[-1], grads, opt_state[-1], params, info=info,
+                                        lowp_params=lowp_params)
             return params, (*new_state, last)
 
-        return Optimizer(init, update)
+        return Optimizer(init, fusing(update))
 
-    def update(updates, state, params=None):
-        updates, new_state = transform_grads(updates, state, params)
+    def update(updates, state, params=None, *, info=None):
+        updates, new_state = transform_grads(updates, state, params, info)
+        if info is not None:  # whoever reads these updates next expects true values
+            _scale_(updates, info.scale)
+            info.scale, info.sq_norm = 1.0, None
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, fusing(update))
 
 
 # ------------------------------------------------------------------------ clipping
@@ -161,9 +235,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params):
         return EmptyState()
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, *, info: GradInfo | None = None):
         leaves, _ = tree_flatten(updates)
         if not leaves:
+            return updates, state
+        if info is not None:  # fold the factor into the step's scale; the norm is known
+            info.scale *= min(1.0, max_norm / (info.norm(updates) + 1e-6))
             return updates, state
         coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
         by_device = defaultdict(list)
@@ -173,7 +250,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             torch._foreach_mul_(grads, coef.to(device))
         return updates, state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, fusing(update))
 
 
 # ---------------------------------------------------------------------- optimizers
@@ -214,25 +291,28 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         return AdamState(_zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params),
                          tree_map(_zero_count_like, params))
 
-    def update(grads, opt_state, params):
+    def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None):
         p, spec = tree_flatten(params)
         g = _grads_like(grads, p, params)
         mu = _leaves_like(opt_state.mu, "opt_state.mu", p, spec, params)
         nu = _leaves_like(opt_state.nu, "opt_state.nu", p, spec, params)
         steps = _counts_like(opt_state.steps, p, spec)
+        lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
         lr = float(schedule(int(opt_state.count)))
         # One call per distinct leaf step (one in all but rare steps): the kernel
         # takes mixed devices and storage (bf16 params with fp32 moments, fp16
-        # grads) and does the math in fp32.
+        # grads), does the math in fp32, multiplies the gradients by the step's
+        # scale as it reads them and writes the low-precision copies.
         for step, idx in _live_by_step(g, steps).items():
             pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
             fused_adam.adam_update_(
                 pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+                grad_scale=1.0 if info is None else info.scale, lowp_params=None if lows is None else pick(lows),
             )
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
-    return Optimizer(init, update)
+    return Optimizer(init, fusing(update))
 
 
 def sgd(
@@ -261,10 +341,11 @@ def sgd(
         bufs = tree_map(_zeros_master, params) if momentum else None
         return SgdState(_zero_count(), bufs, tree_map(_zero_count_like, params))
 
-    def update(grads, opt_state, params):
+    def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None):
         p_all, spec = tree_flatten(params)
         g_all = _grads_like(grads, p_all, params)
         steps = _counts_like(opt_state.steps, p_all, spec)
+        lows = None if lowp_params is None else _lowp_like(lowp_params, p_all, spec)
         bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
         lr = float(schedule(int(opt_state.count)))
         for step, idx in _live_by_step(g_all, steps).items():
@@ -274,6 +355,8 @@ def sgd(
             master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
             masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
             d_p = [x if x.dtype == d else x.to(d) for x, d in zip((g_all[i] for i in idx), master_dtypes)]
+            if info is not None and info.scale != 1.0:
+                torch._foreach_mul_(d_p, info.scale)
             if weight_decay:
                 torch._foreach_add_(d_p, masters, alpha=weight_decay)
             if momentum:
@@ -291,9 +374,11 @@ def sgd(
             for x, m in zip(p, masters):
                 if x is not m:
                     x.copy_(m)
+            if lows is not None:
+                torch._foreach_copy_([lows[i] for i in idx], p)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
-    return Optimizer(init, update)
+    return Optimizer(init, fusing(update))
 
 
 def _zero_count() -> torch.Tensor:
@@ -329,6 +414,16 @@ def _grads_like(grads, p_leaves, params) -> list[torch.Tensor | None]:
         raise ValueError(f"grads does not have the structure of params:\n  grads: {tspec}\n  params: {pspec}")
     live = [i for i, g in enumerate(leaves) if g is not None]
     _check_leaves([leaves[i] for i in live], "grads", [p_leaves[i] for i in live], params, live)
+    return leaves
+
+
+def _lowp_like(lowp_params, p_leaves, spec) -> list[torch.Tensor]:
+    leaves, lspec = tree_flatten(lowp_params)
+    if lspec != spec:
+        raise ValueError(f"lowp_params does not have the structure of params:\n  lowp_params: {lspec}\n  params: {spec}")
+    for lo, p in zip(leaves, p_leaves):
+        if lo.shape != p.shape:
+            raise ValueError(f"a low-precision copy has shape {tuple(lo.shape)}, its parameter {tuple(p.shape)}")
     return leaves
 
 

@@ -20,7 +20,9 @@ A unit's life::
 | params: replicated or sharded | zero3 shards (units at or over its persistence threshold) |
 | grads: all-reduce or reduce-scatter | zero2 and zero3 reduce-scatter |
 | opt: replicated or sharded | zero1, zero2, zero3 shard |
-| homes, dtypes | device and the model's dtype until offload and precision land |
+| param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
+| reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
+| homes | device until offload lands |
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from . import dist
+from . import buffers, dist
 
 REPLICATED, SHARDED = "replicated", "sharded"
 ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
@@ -42,8 +44,8 @@ class Placement:
 
     params: str = REPLICATED
     param_home: str = DEVICE
-    param_dtype: torch.dtype | None = None
-    compute_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = None  # storage = gather = compute dtype
+    frozen_dtype: torch.dtype | None = None
     grads: str = ALL_REDUCE
     reduce_dtype: torch.dtype | None = None
     opt: str = REPLICATED
@@ -91,13 +93,31 @@ def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callab
     return dist.Pending(leaf.detach())
 
 
-def send_home_start(place: Placement, grad_full: torch.Tensor, group) -> dist.Pending:
-    """Start reducing a unit's full gradient (which the caller gives up) to its home form."""
+def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype: torch.dtype | None = None
+                    ) -> dist.Pending:
+    """Start reducing a unit's full gradient (which the caller gives up) to its home form.
+
+    The reduction runs in ``place.reduce_dtype`` (default: the gradient's own);
+    the result comes in ``out_dtype`` (default: the reduce dtype), in a tensor
+    that exists from the start and is filled by ``wait()``.
+    """
+    reduce_dtype = place.reduce_dtype or grad_full.dtype
+    out_dtype = out_dtype or reduce_dtype
     if dist.world_size(group) == 1:
-        return dist.Pending(grad_full)
+        return dist.Pending(grad_full if grad_full.dtype == out_dtype else grad_full.to(out_dtype))
+    if grad_full.dtype != reduce_dtype:
+        wide = buffers.take(grad_full.numel(), reduce_dtype, grad_full.device)
+        wide.copy_(grad_full)
+        buffers.give(grad_full)
+        grad_full = wide
     if place.grads_sharded:
-        return dist.reduce_scatter_mean_start(grad_full, group, scratch=True)
-    return dist.all_reduce_mean_start(grad_full, group)
+        pending = dist.reduce_scatter_mean_start(grad_full, group, scratch=True)
+    else:
+        pending = dist.all_reduce_mean_start(grad_full, group)
+    if out_dtype == reduce_dtype:
+        return pending
+    out = torch.empty(pending.out.shape, dtype=out_dtype, device=pending.out.device)
+    return pending.then(out.copy_, out)
 
 
 def grad_is_shard(place: Placement, leaf_is_shard: bool) -> bool:

@@ -21,6 +21,7 @@ class State:
     unsharded. ``count``: steps taken (0-d int64, skipped steps included).
     ``plan``: the static record of the step that made it (its composition
     and world size), checked when the state is passed to a step.
+    ``loss_scale``: the fp16 loss scaler's state (``LossScaleState``), or None.
     """
 
     params: Params
@@ -29,13 +30,17 @@ class State:
     buffers: dict
     count: torch.Tensor
     plan: Any = None
+    loss_scale: Any = None
 
 
-register_node(
-    State,
-    lambda s: ((s.params, s.opt_state, s.frozen, s.buffers, s.count), s.plan),
-    lambda plan, children: State(*children, plan=plan),
-)
+def _flatten(s: State):
+    # no loss scaler: no child at all (torch's pytree would count a None as a leaf)
+    children = (s.params, s.opt_state, s.frozen, s.buffers, s.count)
+    return (children + (s.loss_scale,) if s.loss_scale is not None else children), s.plan
+
+
+register_node(State, _flatten, lambda plan, children: State(*children[:5], plan=plan, loss_scale=(
+    children[5] if len(children) > 5 else None)))
 
 
 def _nbytes(tree) -> int:
@@ -53,9 +58,15 @@ def memory_report(state: State) -> dict[str, int]:
 
 
 def gather_params(state: State) -> dict[str, torch.Tensor]:
-    """Full fp32 parameters keyed like ``model.named_parameters()``, on every rank, on CPU."""
+    """Full fp32 parameters keyed like ``model.named_parameters()``, on every rank, on CPU.
+
+    Under mixed precision these are the fp32 master weights (frozen parameters
+    are their stored values, widened)."""
+    from .precision import MixedPrecisionState
+
+    trainable = state.opt_state.master if isinstance(state.opt_state, MixedPrecisionState) else state.params
     out: dict[str, torch.Tensor] = {}
-    for params in (state.params, state.frozen):
+    for params in (trainable, state.frozen):
         spec = params.spec
         for i, (leaf, sharded) in enumerate(zip(params.leaves, spec.sharded)):
             full = dist.all_gather(leaf.detach(), spec.process_group) if sharded else leaf.detach()

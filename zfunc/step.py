@@ -9,22 +9,33 @@ recorded outermost first. Its three parts:
   part;
 * the gradient part: ``value_and_grad`` over the placed units (transforms
   wrap it with ``wrap_grad``), then one small all-reduce on which every rank
-  agrees on the loss, which units anyone used and whether any gradient is
-  non-finite;
+  agrees on the loss, which units anyone used, whether any gradient is
+  non-finite and the global gradient norm (the one read of the gradients
+  before the update);
 * the update part: the optimizer, wrapped by the transforms'
-  ``wrap_optimizer`` (zero1/2/3 update this rank's slice).
+  ``wrap_optimizer`` (zero1/2/3 update this rank's slice; mixed precision
+  updates fp32 master weights), told what the step knows (``GradInfo``: the
+  factor that unscales the gradients, their norm) so it can fold both into one
+  pass.
+
+Under fp16 loss scaling (``mixed_precision(..., loss_scale=...)``) the loss is
+multiplied by the state's scale before backward; a step whose gradients
+overflow on any rank is skipped on every rank and lowers the scale
+(zfunc.loss_scale).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from . import dist, lazy, layout
+from . import dist, layout, lazy
 from .grad import forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
+from .optim import GradInfo, apply_update
 from .placement import Placement
 from .state import State
 from .transform import Transform
@@ -72,10 +83,22 @@ class Step:
 
     @property
     def composition(self) -> str:
+        return self._describe(self.transforms)
+
+    def _describe(self, transforms) -> str:
         text = self._base_name
-        for t in reversed(self.transforms):
+        for t in reversed(transforms):
             text = t.describe(text)
         return text
+
+    def _transform(self, family: str):
+        return next((t for t in self.transforms if t.family == family), None)
+
+    @property
+    def loss_scaler(self):
+        """The fp16 ``LossScaler`` of ``mixed_precision``, or None."""
+        precision = self._transform("precision")
+        return None if precision is None else precision.scaler
 
     _base_name = "train_step"
 
@@ -87,14 +110,15 @@ class Step:
     def units(self):
         return next((t.policy for t in self.transforms if t.family == "units"), None)
 
-    def placement(self, numel: int) -> Placement:
+    def placement(self, unit) -> Placement:
         p = Placement()
         for t in reversed(self.transforms):
-            p = t.place(p, numel)
+            p = t.place(p, unit)
         return p
 
     def plan(self) -> Plan:
-        return Plan(self.composition, dist.world_size(self.group))
+        """What the state's layout depends on: the transforms that shape it, and W."""
+        return Plan(self._describe(tuple(t for t in self.transforms if t.shapes_state)), dist.world_size(self.group))
 
     def _update_part(self):
         opt = self.optimizer
@@ -128,7 +152,7 @@ class Step:
         group = self.group
         w, r = dist.world_size(group), dist.rank(group)
         spec = build_spec(model, self.units, w)
-        places = tuple(self.placement(u.trainable.numel + u.frozen.numel) for u in spec.units)
+        places = tuple(self.placement(u) for u in spec.units)
         device = dist.device_of(group) if device is None else torch.device(device)
         trainable, frozen = [], []
         for i, *flats in unit_buffers(model, spec, device, init_fn):
@@ -142,10 +166,19 @@ class Step:
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         for b in buffers.values():
             dist.broadcast(b, 0, group)
+        # the optimizer (mixed precision: its fp32 master) starts from the model's own values,
+        # then the parameters take the dtype their placement stores them in
         opt_state = self._update_part().init(params) if self.optimizer is not None else None
+        params = _cast(params, [p.param_dtype for p in places])
+        frozen_params = _cast(frozen_params, [p.frozen_dtype for p in places])
+        precision = self._transform("precision")
+        if precision is not None:
+            buffers = {name: precision.cast_buffer(name, b) for name, b in buffers.items()}
         if free_model:
             lazy.swap_in(model, spec.canonical_name)
-        return State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan())
+        scaler = self.loss_scaler
+        return State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan(),
+                     loss_scale=None if scaler is None else scaler.init())
 
     # ------------------------------------------------------------------ call
 
@@ -173,15 +206,24 @@ class Step:
     def __call__(self, state: State, batch) -> tuple[State, dict]:
         self._check(state)
         buffers = self._buffers(state)
-        loss, aux, grads, peak = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers)
-        grads, agreed = _agree(loss, grads, self.group)
+        scaler = self.loss_scaler
+        scale = None if scaler is None else float(state.loss_scale.scale)
+        loss, aux, grads, peak, grad_scale = self._grad_part()(state.params, batch, frozen=state.frozen,
+                                                               buffers=buffers, scale=scale)
+        agreed = _agree(loss, grads, self.group)
         metrics = {"loss": agreed.loss, "grad_bytes": grads.nbytes(), "peak_materialized_bytes": peak,
-                   "skipped": False}
+                   "skipped": False, "grad_norm": math.sqrt(agreed.sq_norm) * grad_scale}
         if self.has_aux:
             metrics["aux"] = aux
+        if scaler is not None:
+            metrics["loss_scale"] = scale
+            loss_scale = scaler.update(state.loss_scale, overflow=bool(agreed.nonfinite))  # raises when stuck
+            metrics["skipped_steps"] = int(loss_scale.skipped)
+        else:
+            loss_scale = state.loss_scale
         count = state.count + 1
         if agreed.nonfinite:
-            if self.nonfinite == "raise":
+            if scaler is None and self.nonfinite == "raise":
                 raise FloatingPointError(
                     f"step {int(state.count)}: non-finite gradient (inf or NaN) in unit "
                     f"{agreed.nonfinite[0]!r}" + (f" and {len(agreed.nonfinite) - 1} more" if len(agreed.nonfinite) > 1 else "")
@@ -189,32 +231,51 @@ class Step:
                     "learning rate; zf.train_step(..., nonfinite='skip') skips such steps instead"
                 )
             metrics["skipped"] = True
-            return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan), metrics
+            return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
         del loss
-        params, opt_state = self._update_part().update(grads, state.opt_state, state.params)
+        info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm)
+        params, opt_state = apply_update(self._update_part(), grads, state.opt_state, state.params, info=info)
         object.__setattr__(state, "_donated", True)
-        return State(params, opt_state, state.frozen, buffers, count, state.plan), metrics
+        return State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
+
+
+def _cast(params: Params, dtypes) -> Params:
+    """``params`` with each leaf in its dtype (``None``: as it is)."""
+    leaves = [t if d is None or t.dtype == d else t.to(d) for t, d in zip(params.leaves, dtypes)]
+    return Params(params.spec, leaves)
 
 
 @dataclass
 class _Agreed:
     loss: torch.Tensor  # mean over ranks of each rank's loss
     nonfinite: list[str]  # units with an inf/NaN gradient on some rank
+    sq_norm: float  # squared global norm of the gradients (as computed, before any scale)
 
 
-def _agree(loss: torch.Tensor, grads: Params, group) -> tuple[Params, _Agreed]:
+def _agree(loss: torch.Tensor, grads: Params, group) -> _Agreed:
     """One all-reduce for what every rank must agree on after backward.
 
     Which units some rank used (a unit no rank used gets no update, as
     ``torch.optim`` skips a parameter without ``.grad``), whether any
-    gradient is non-finite (one read of each, ``nonfinite_and_sq_norm``),
-    and the loss.
+    gradient is non-finite and the global squared norm (one read of each
+    gradient, ``nonfinite_and_sq_norm``; a shard counts on every rank, a
+    whole gradient, the same on every rank, on rank 0 only), and the loss.
     """
     leaves = grads.leaves
-    w = dist.world_size(group)
+    w, r = dist.world_size(group), dist.rank(group)
     used = [float(g is not None) for g in leaves]
-    bad = [float(g is not None and g.numel() > 0 and not cpu_adam.nonfinite_and_sq_norm([g])[1]) for g in leaves]
-    vec = torch.tensor([float(loss), *used, *bad], dtype=torch.float64, device=dist.device_of(group))
+    bad, sq = [], [0.0, 0.0]
+    for g, shard in zip(leaves, grads.spec.sharded):
+        if g is None or g.numel() == 0:
+            bad.append(0.0)
+            continue
+        sq_g, finite = cpu_adam.nonfinite_and_sq_norm([g])
+        bad.append(float(not finite))
+        if shard:
+            sq[0] += sq_g
+        elif r == 0:
+            sq[1] += sq_g
+    vec = torch.tensor([float(loss), *used, *bad, *sq], dtype=torch.float64, device=dist.device_of(group))
     dist.all_reduce_sum(vec, group)
     vec = vec.cpu()
     k = len(leaves)
@@ -227,8 +288,8 @@ def _agree(loss: torch.Tensor, grads: Params, group) -> tuple[Params, _Agreed]:
             f"ranks ran different units this step: unit {name!r} was used on {c} of {w} ranks. Every rank "
             "must run the same units (control flow that skips a block must skip it on every rank)"
         )
-    nonfinite = [n for n, b in zip(names, vec[1 + k :].tolist()) if b]
-    return grads, _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite)
+    nonfinite = [n for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
+    return _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]))
 
 
 class EvalStep(Step):
@@ -245,13 +306,19 @@ class EvalStep(Step):
 
     @torch.no_grad()
     def __call__(self, state: State, batch) -> dict:
+        """``metrics["loss"]``: the mean over ranks (and, under ``accumulate``, micro-batches)."""
         self._check(state)
-        with materialized(state.params, state.frozen, self._buffers(state), differentiable=False) as (view, tracker, _):
-            out = forward(self.loss_fn, view, tracker, batch)
-        loss = out[0] if self.has_aux else out
-        metrics = {"loss": dist.all_reduce_mean(loss.detach().float().clone(), self.group)}
+        accumulate = self._transform("accumulate")
+        micro = accumulate.micro_batches(batch) if accumulate is not None else [batch]
+        losses, auxes = [], []
+        for mb in micro:
+            with materialized(state.params, state.frozen, self._buffers(state), differentiable=False) as (view, tracker, _):
+                out = forward(self.loss_fn, view, tracker, mb)
+            losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
+            auxes.append(out[1] if self.has_aux else None)
+        metrics = {"loss": dist.all_reduce_mean(torch.stack(losses).mean(), self.group)}
         if self.has_aux:
-            metrics["aux"] = out[1]
+            metrics["aux"] = auxes if accumulate is not None else auxes[0]
         return metrics
 
 

@@ -2,11 +2,15 @@
 
 A transform takes a step and returns a step (``Step.then``). It contributes
 
-* ``place``: a pure function on one unit's ``Placement`` record;
+* ``place``: a pure function on one unit's ``Placement`` record (given the unit);
 * ``wrap_optimizer``: the update part, an ``(init, update)`` pair over the
   state's ``Params`` (zero1/2/3 update only this rank's slice, then gather);
 * ``wrap_grad``: the gradient part, ``(params, batch, **kw) -> GradOut``
-  (accumulation and loss scaling will wrap here).
+  (accumulation wraps here).
+
+A transform whose ``shapes_state`` is False (accumulation) leaves the state's
+layout alone: it is not part of ``Plan``, so its state works with steps with or
+without it (another number of micro-batches, an eval step).
 
 Transforms are recorded outermost first; placements and wrappers are folded
 innermost first, so ``zero3(offload_nvme(f))`` means offload, then sharding.
@@ -15,7 +19,9 @@ to a step that already carries ``inner`` transforms.
 
 | transform | may appear | rule |
 | --- | --- | --- |
-| ``zero1``/``zero2``/``zero3`` | once (one stage) | outside offload: ``zero3(offload_nvme(f))`` |
+| ``zero1``/``zero2``/``zero3`` | once (one stage) | outside precision and accumulation (and offload) |
+| ``mixed_precision`` | once | inside the ZeRO stage: ``zero3(mixed_precision(f))`` |
+| ``accumulate`` | once | inside the ZeRO stage; either side of ``mixed_precision`` |
 | ``units`` | once, or agreeing with ``zero3(units=...)`` / ``train_step(units=...)`` | anywhere |
 """
 from __future__ import annotations
@@ -27,6 +33,7 @@ class Transform:
     """Base: contributes nothing; subclasses override what they change."""
 
     family = "transform"  # transforms of one family exclude each other
+    shapes_state = True  # part of the state's Plan
 
     def describe(self, inner: str) -> str:
         return f"{self.name}({inner})"
@@ -40,7 +47,7 @@ class Transform:
             if t.family == self.family:
                 raise ValueError(f"{t.describe('step')} is already applied; apply {self.family} transforms once")
 
-    def place(self, p: Placement, numel: int) -> Placement:
+    def place(self, p: Placement, unit) -> Placement:
         return p
 
     def wrap_optimizer(self, optimizer):
@@ -48,6 +55,17 @@ class Transform:
 
     def wrap_grad(self, grad_fn):
         return grad_fn
+
+
+def check_inside_zero(transform: Transform, inner, example: str) -> None:
+    """Raise if ``transform`` is applied outside a ZeRO stage (``example`` shows the right order)."""
+    transform.check(inner)
+    for t in inner:
+        if t.family == "zero":
+            raise ValueError(
+                f"{transform.name} must go inside the ZeRO stage, which shards what it makes: write "
+                f"{example.replace('zeroN', t.name)}, not {transform.name}({t.name}(...))"
+            )
 
 
 class Units(Transform):

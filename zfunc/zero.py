@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import dist
-from .optim import Optimizer
+from .optim import Optimizer, apply_update, fusing
 from .placement import REDUCE_SCATTER, SHARDED, Placement
 from .step import Step
 from .transform import Transform, Units
@@ -46,11 +46,11 @@ class Zero(Transform):
             if t.family == "zero":
                 raise ValueError(f"this step is already ZeRO stage {t.stage}; apply one of zero1/zero2/zero3, once")
 
-    def place(self, p: Placement, numel: int) -> Placement:
+    def place(self, p: Placement, unit) -> Placement:
         p = replace(p, opt=SHARDED)
         if self.stage >= 2:
             p = replace(p, grads=REDUCE_SCATTER)
-        if self.stage == 3 and numel >= self.persistence_threshold:
+        if self.stage == 3 and unit.trainable.numel + unit.frozen.numel >= self.persistence_threshold:
             p = replace(p, params=SHARDED)
         return p
 
@@ -64,11 +64,11 @@ def sharded_optimizer(optimizer) -> Optimizer:
     def init(params):
         return optimizer.init(params.local())
 
-    def update(grads, opt_state, params):
-        local, opt_state = optimizer.update(grads.local(), opt_state, params.local())
+    def update(grads, opt_state, params, **kw):
+        local, opt_state = apply_update(optimizer, grads.local(), opt_state, params.local(), **kw)
         return params.from_local(local), opt_state
 
-    return Optimizer(init, update)
+    return Optimizer(init, fusing(update))
 
 
 def _zero(step: Step, stage: int, group, **kw) -> Step:

@@ -1,0 +1,122 @@
+"""Gradient accumulation as a step transform: ``n`` micro-batches, one update.
+
+``accumulate(step, n)`` makes the step take a sequence (or iterator) of ``n``
+micro-batches. Each micro-batch's backward hands every unit's gradient to a
+``GradSink`` instead of to autograd, which adds it into an fp32 accumulator
+in the gradient's home form:
+
+* gradients that go home as shards (zero2, zero3) are reduce-scattered each
+  micro-batch and added into a sharded accumulator, so no full-size gradient
+  outlives its unit's backward;
+* gradients that go home whole (stage 0, zero1) are added up locally and
+  all-reduced once, in the last micro-batch's backward (DDP's ``no_sync``):
+  a 1/n of the communication.
+
+The update then sees the accumulated sum, with ``1/n`` folded into the scale
+the optimizer applies, so the result equals one step on the concatenation of
+the micro-batches. The loss metric is the mean over micro-batches and ranks.
+"""
+from __future__ import annotations
+
+from itertools import islice
+
+import torch
+
+from . import buffers, dist, layout, placement
+from .grad import GradOut, grad_spec
+from .step import Step
+from .transform import Transform, check_inside_zero
+from .tree import Params
+
+
+class GradSink:
+    """fp32 accumulators, one per unit in its gradient's home form, filled in backward."""
+
+    def __init__(self, spec):
+        self.spec = spec  # the gradients' ParamsSpec (which leaves are shards)
+        self.acc: dict[int, torch.Tensor] = {}
+        self.last = False  # the last micro-batch: whole gradients are reduced now
+
+    def _acc(self, unit) -> torch.Tensor:
+        acc = self.acc.get(unit.index)
+        if acc is None:
+            padded = self.spec.segment(unit.index).padded
+            w = dist.world_size(unit.group)
+            n = layout.shard_numel(padded, w) if self.spec.sharded[unit.index] else padded
+            acc = self.acc[unit.index] = torch.zeros(n, dtype=torch.float32, device=unit.leaf.device)
+        return acc
+
+    def take(self, unit, grad_full: torch.Tensor) -> None:
+        """Add a unit's full local gradient (which the caller gives up) into its accumulator."""
+        acc = self._acc(unit)
+        tracker = unit.tracker
+        if self.spec.sharded[unit.index]:
+            pending = placement.send_home_start(unit.place, grad_full, unit.group)
+            tracker.reducing(pending.then(acc.add_, acc))
+            return
+        acc.add_(grad_full)
+        buffers.give(grad_full)
+        if self.last:
+            tracker.reducing(placement.send_home_start(unit.place, acc, unit.group, out_dtype=acc.dtype)
+                             .then(lambda out: out is acc or acc.copy_(out), acc))
+
+    def grads(self) -> Params:
+        """The accumulated gradients; ``None`` for a unit no micro-batch used."""
+        return Params(self.spec, [self.acc.get(i) for i in range(len(self.spec.sharded))])
+
+
+class Accumulate(Transform):
+    family = "accumulate"
+    shapes_state = False
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def describe(self, inner: str) -> str:
+        return f"accumulate({inner}, {self.n})"
+
+    def check(self, inner) -> None:
+        check_inside_zero(self, inner, f"zeroN(accumulate(f, {self.n}))")
+
+    def micro_batches(self, batch) -> list:
+        """The ``n`` micro-batches of ``batch`` (a sequence or an iterator of exactly ``n``)."""
+        if isinstance(batch, torch.Tensor) or not hasattr(batch, "__iter__"):
+            raise TypeError(f"accumulate(step, {self.n}) takes a sequence of {self.n} micro-batches, "
+                            f"got a {type(batch).__name__}")
+        if hasattr(batch, "__len__"):
+            if len(batch) != self.n:
+                raise ValueError(f"accumulate(step, {self.n}) got {len(batch)} micro-batches; pass exactly {self.n}")
+            return list(batch)
+        micro = list(islice(batch, self.n))
+        if len(micro) != self.n:
+            raise ValueError(f"accumulate(step, {self.n}): the iterator gave only {len(micro)} micro-batches")
+        return micro
+
+    def wrap_grad(self, grad_fn):
+        def run(params, batch, **kw):
+            micro = self.micro_batches(batch)
+            sink = GradSink(grad_spec(params.spec))
+            losses, auxes, peak = [], [], 0
+            for i, mb in enumerate(micro):
+                sink.last = i == len(micro) - 1
+                out = grad_fn(params, mb, sink=sink, **kw)
+                losses.append(out.loss)
+                auxes.append(out.aux)
+                peak = max(peak, out.peak)
+            return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n)
+
+        return run
+
+
+def accumulate(step: Step, n: int) -> Step:
+    """Accumulate gradients over ``n`` micro-batches per step (module docstring).
+
+    The step's ``batch`` is then a sequence or iterator of ``n`` micro-batches
+    (each what ``loss_fn`` takes); ``metrics["aux"]`` is the list of their aux
+    values. Write it inside the ZeRO stage: ``zero3(accumulate(f, n))``.
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"accumulate transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"accumulate: n must be an int >= 1, got {n!r}")
+    return step.then(Accumulate(n))
