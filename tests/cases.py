@@ -18,17 +18,26 @@ def is_linear(name: str, module: nn.Module) -> bool:
 
 
 def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | None = None,
-            units_via: str = "zero3", evaluate: bool = False):
+            units_via: str = "zero3", evaluate: bool = False, precision: dict | None = None,
+            micro: int | None = None, precision_outside: bool = False, opt=None):
     """The step for ``stage``; ``units_via`` says where the unit policy is given:
-    ``zero3(units=)``, ``train_step(units=)``, or ``zf.units`` inside or outside the stage."""
+    ``zero3(units=)``, ``train_step(units=)``, or ``zf.units`` inside or outside the stage.
+    ``precision``: ``zf.mixed_precision``'s keywords; ``micro``: ``zf.accumulate``'s n,
+    inside ``mixed_precision`` unless ``precision_outside`` is False (then outside)."""
     if evaluate:
         base = zf.eval_step(loss_fn, units=units if units_via == "base" else None)
     else:
-        opt = zf.optim.adamw(LR, weight_decay=0.01)
+        opt = opt or zf.optim.adamw(LR, weight_decay=0.01)
         if clip is not None:
             opt = zf.optim.chain(zf.optim.clip_by_global_norm(clip), opt)
         base = zf.train_step(loss_fn, opt, units=units if units_via == "base" else None)
     step = zf.units(base, units) if units_via == "inner" else base
+    if micro is not None and not precision_outside:
+        step = zf.accumulate(step, micro)
+    if precision is not None:
+        step = zf.mixed_precision(step, **precision)
+    if micro is not None and precision_outside:
+        step = zf.accumulate(step, micro)
     if stage == 1:
         step = zf.zero1(step)
     elif stage == 2:
@@ -246,3 +255,90 @@ def loss_with_uneven_batches(stage: int) -> dict:
     own = loss_fn(zf.gather_params(state), (x, y)).item()
     _, metrics = step(state, (x, y))
     return {"own": own, "metric": metrics["loss"].item()}
+
+
+def micro_batches(b, n: int) -> list:
+    """``b`` split into ``n`` equal micro-batches along the batch dimension."""
+    size = b[0].shape[0] // n
+    return [tuple(t[i * size : (i + 1) * size] for t in b) for i in range(n)]
+
+
+def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 4, seed: int = 0,
+                 precision: dict | None = None, micro: int | None = None, clip: float | None = None,
+                 precision_outside: bool = False, units=None, sgd: bool = False, inject=None) -> dict:
+    """``steps`` steps of ``zeroN([accumulate][mixed_precision](train_step))`` on this rank's
+    part of each global batch (split into ``micro`` micro-batches); per-step metrics, the
+    full parameters (the fp32 master under mixed precision) and memory accounting.
+
+    ``inject[i]``: the ranks whose gradient gets an inf at step ``i`` (through the loss)."""
+    rank, world, model, shape_model, _ = _setup(name, kw, seed)
+    flags = torch.zeros(())
+
+    def loss_fn(params, b):
+        value = loss(name, zf.apply(model, params, b[0]), b[1])
+        return _InfInGrad.apply(value, flags) if inject is not None else value
+
+    opt = zf.optim.sgd(LR * 10) if sgd else None
+    step = compose(stage, loss_fn, units, 0, clip, precision=precision, micro=micro,
+                   precision_outside=precision_outside, opt=opt)
+    state = step.init(model)
+    history = []
+    for i in range(steps):
+        flags.fill_(float(inject is not None and rank in inject[i]))
+        b = local(batch(name, shape_model, i, per_rank * world, seed), rank, world)
+        before = [t.clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
+        state, metrics = step(state, micro_batches(b, micro) if micro else b)
+        after = zf.pytree.tree_leaves((state.params, state.opt_state))
+        history.append({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
+                       | {"unchanged": all(torch.equal(x, y) for x, y in zip(before, after))})
+    return {
+        "params": zf.gather_params(state),
+        "dtypes": sorted({str(t.dtype) for t in state.params.leaves}),
+        "memory": zf.memory_report(state),
+        "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],
+        "history": history,
+        "composition": step.composition,
+    }
+
+
+class _InfInGrad(torch.autograd.Function):
+    """Identity on the loss; its backward puts an inf into the gradient when ``flag`` is set."""
+
+    @staticmethod
+    def forward(value, flag):
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.flag = bool(inputs[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * float("inf") if ctx.flag else g), None
+
+
+def reference_mixed(name: str, kw: dict, dtype, steps: int = 3, batch_size: int = 4, seed: int = 0,
+                    loss_scale: float = 1.0, clip: float | None = None, sgd: bool = False) -> dict:
+    """Plain PyTorch mixed precision: a module copy cast to ``dtype`` runs forward and
+    backward on the global batch (loss times ``loss_scale``), and fp32 AdamW (or SGD)
+    with its defaults updates a master copy, which is cast back into the copy."""
+    master = build(name, seed, **kw)
+    low = copy.deepcopy(master).to(dtype)
+    params = [p for p in master.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR * 10) if sgd else torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    losses = []
+    for i in range(steps):
+        x, y = batch(name, master, i, batch_size, seed)
+        low.zero_grad(set_to_none=True)
+        value = loss(name, low(x.to(dtype) if x.is_floating_point() else x), y)
+        (value * loss_scale).backward()
+        for mp, lp in zip(master.parameters(), low.parameters()):
+            mp.grad = None if lp.grad is None else lp.grad.float() / loss_scale
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        with torch.no_grad():
+            for mp, lp in zip(master.parameters(), low.parameters()):
+                lp.copy_(mp)
+        losses.append(value.item())
+    return {"params": {k: v.detach().clone() for k, v in master.named_parameters()}, "losses": losses}

@@ -31,7 +31,7 @@ from torch.func import functional_call
 from . import dist, layout, lazy
 from .materialize import Tracker, Units
 from .placement import grad_is_shard
-from .pytree import tree_flatten, tree_unflatten
+from .pytree import tree_flatten, tree_map, tree_unflatten
 from .tree import ModelSpec, Params, ParamsSpec
 
 
@@ -49,6 +49,9 @@ class ParamView(Mapping):
         self._scopes: list[list[tuple[Units, int]]] = [[]]
         self._checked: set[int] = set()
         self._swapped: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
+        # mixed precision: floating-point inputs of zf.apply take the compute dtype (as FSDP2's
+        # cast_forward_inputs), so a float32 batch runs in the model's dtype
+        self.input_dtype = next((p.param_dtype for p in trainable.spec.placements if p.param_dtype), None)
 
     def resolve(self, name: str) -> torch.Tensor:
         """A stand-in was read (zfunc.lazy): materialize its unit in the current scope."""
@@ -105,6 +108,9 @@ class ParamView(Mapping):
             swap = _UnitSwap(self, model, unit.located)
             handles.append(module.register_forward_pre_hook(swap.enter))
             handles.append(module.register_forward_hook(swap.exit, always_call=True))
+        if self.input_dtype is not None:
+            cast = lambda t: t.to(self.input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, (tuple(args), dict(kwargs)))
         self.open_scope()
         try:
             tensors = {name: self[name] for name in (root.located if root else ())}

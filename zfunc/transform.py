@@ -59,7 +59,7 @@ class Transform:
 
 def check_inside_zero(transform: Transform, inner, example: str) -> None:
     """Raise if ``transform`` is applied outside a ZeRO stage (``example`` shows the right order)."""
-    transform.check(inner)
+    Transform.check(transform, inner)
     for t in inner:
         if t.family == "zero":
             raise ValueError(
