@@ -1,6 +1,7 @@
 """Train a small GPT on the Python standard library's own source code, with zfunc.
 
     python examples/train_gpt.py                                   # one process, ZeRO-3
+    python examples/train_gpt.py --precision bf16 --accumulate 4   # bf16, 4 micro-batches a step
     torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --zero 3
 
 The training step is a pure function (state, batch) -> (state, metrics); the ZeRO
@@ -26,7 +27,10 @@ parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--width", type=int, default=128, help="d_model")
 parser.add_argument("--heads", type=int, default=4)
-parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step (all micro-batches)")
+parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                    help="compute dtype; bf16/fp16 keep fp32 master weights (fp16: dynamic loss scaling)")
+parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (gradient accumulation)")
 parser.add_argument("--seq", type=int, default=128)
 parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--warmup", type=int, default=20)
@@ -50,13 +54,14 @@ cfg = GPTConfig(vocab_size=256, seq_len=args.seq, d_model=args.width, n_layers=a
 model = GPT(cfg)
 if master:
     print(f"{num_params(model) / 1e6:.2f}M parameters, {len(train_data) / 1e6:.1f}M training bytes, "
-          f"ZeRO-{args.zero} on {world} rank(s), {world * args.batch} x {args.seq} tokens per step")
+          f"ZeRO-{args.zero}, {args.precision}, {args.accumulate} micro-batch(es), on {world} rank(s), "
+          f"{world * args.batch} x {args.seq} tokens per step")
 
 
 def loss_fn(params, batch):
     x, y = batch
     logits = zf.apply(model, params, x)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
 def lr_at(step):  # linear warm-up, then cosine decay to a tenth
@@ -66,15 +71,34 @@ def lr_at(step):  # linear warm-up, then cosine decay to a tenth
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-shard = {0: lambda step: step, 1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[args.zero]
-step = shard(zf.train_step(loss_fn, zf.optim.adamw(lr_at, weight_decay=0.01)))
-evaluate = shard(zf.eval_step(loss_fn))
+def compose(step):
+    """The same transforms for training and evaluation: accumulate inside precision inside ZeRO."""
+    if args.accumulate > 1:
+        step = zf.accumulate(step, args.accumulate)
+    if args.precision != "fp32":
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+        step = zf.mixed_precision(step, dtype, loss_scale="dynamic" if args.precision == "fp16" else None)
+    return {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[args.zero](step)
+
+
+if args.batch % args.accumulate:
+    parser.error(f"--batch {args.batch} does not split into --accumulate {args.accumulate} micro-batches")
+step = compose(zf.train_step(loss_fn, zf.optim.adamw(lr_at, weight_decay=0.01)))
+evaluate = compose(zf.eval_step(loss_fn))
 state = step.init(model)  # from here on the model is only used through zf.apply
+
+
+def micro(batch):
+    """A batch as the step takes it: split into --accumulate micro-batches when accumulating."""
+    if args.accumulate == 1:
+        return batch
+    return list(zip(*(t.chunk(args.accumulate) for t in batch)))
 
 
 def val_loss():
     gen = rank_generator(args.seed + 1, rank)  # the same held-out batches each time
-    losses = [evaluate(state, get_batch(val_data, args.batch, args.seq, gen))["loss"] for _ in range(args.eval_batches)]
+    losses = [evaluate(state, micro(get_batch(val_data, args.batch, args.seq, gen)))["loss"]
+              for _ in range(args.eval_batches)]
     return torch.stack(losses).mean().item()
 
 
@@ -89,11 +113,12 @@ bar = tqdm(range(args.steps), disable=not master, dynamic_ncols=True)
 for it in bar:
     batch = get_batch(train_data, args.batch, args.seq, train_gen)
     t0 = time.perf_counter()
-    state, metrics = step(state, batch)
+    state, metrics = step(state, micro(batch))
     loss = metrics["loss"].item()
     dt = time.perf_counter() - t0
     tok_s = tokens_per_step / dt if tok_s is None else 0.9 * tok_s + 0.1 * tokens_per_step / dt
-    bar.set_postfix_str(f"loss {loss:.3f}, {tok_s:,.0f} tok/s")
+    scale = f", scale {metrics['loss_scale']:g}" if "loss_scale" in metrics else ""
+    bar.set_postfix_str(f"loss {loss:.3f}, {tok_s:,.0f} tok/s{scale}")
 bar.close()
 final_val = val_loss()
 

@@ -302,7 +302,8 @@ class EvalStep(Step):
 
     def plan(self) -> Plan:
         # an eval step reads states of the train step composed the same way
-        return Plan(self.composition.replace("eval_step", "train_step", 1), dist.world_size(self.group))
+        plan = super().plan()
+        return Plan(plan.composition.replace("eval_step", "train_step", 1), plan.world)
 
     @torch.no_grad()
     def __call__(self, state: State, batch) -> dict:
