@@ -65,3 +65,71 @@ def test_transformers_model_matches_pytorch(kind, world):
     for stage in (0, 1, 2, 3):
         for got in workers(world).run(run, kind, stage, 2):
             assert_close_to(got, expected)
+
+
+def reference_bf16(kind: str, batch_size: int) -> tuple[dict, dict]:
+    """Plain PyTorch bf16: a module copy cast to bf16 runs forward/backward, fp32 SGD on a master."""
+    master = build(kind)
+    init = {k: v.detach().clone() for k, v in master.named_parameters()}
+    low = build(kind).to(torch.bfloat16)
+    opt = torch.optim.SGD(master.parameters(), lr=1e-2)
+    for i in range(STEPS):
+        x = tokens(i, batch_size)
+        low.zero_grad(set_to_none=True)
+        low(input_ids=x, labels=x).loss.backward()
+        for mp, lp in zip(master.parameters(), low.parameters()):
+            mp.grad = lp.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for mp, lp in zip(master.parameters(), low.parameters()):
+                lp.copy_(mp)
+    return {k: v.detach().clone() for k, v in master.named_parameters()}, init
+
+
+def run_bf16(kind: str, per_rank: int, micro: int) -> dict:
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = build(kind)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+
+    def loss_fn(params, x):
+        return zf.apply(model, params, input_ids=x, labels=x).loss
+
+    step = zf.zero3(zf.accumulate(zf.mixed_precision(zf.train_step(loss_fn, zf.optim.sgd(1e-2)), torch.bfloat16), micro))
+    state = step.init(model)
+    for i in range(STEPS):
+        mine = tokens(i, per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
+        state, _ = step(state, list(mine.chunk(micro)))
+    return zf.gather_params(state)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_model_in_bf16_with_accumulation(kind):
+    """zero3(accumulate(mixed_precision(bf16), 2)) at W = 2 with activation checkpointing: every
+    parameter within 16 u (bf16 u = 2^-8) of its tensor's largest move from plain PyTorch bf16
+    with an fp32 master (SGD, linear in the gradients; see test_precision)."""
+    expected, init = reference_bf16(kind, 4)
+    for got in workers(2).run(run_bf16, kind, 2, 2):
+        for k, want in expected.items():
+            move = (want - init[k]).abs().max().item()
+            assert (got[k] - want).abs().max().item() <= 16 * 2.0 ** -8 * move, k
+
+
+def test_llama_keeps_its_rotary_frequencies_in_fp32():
+    """keep= leaves named buffers in their own dtype: Llama's rotary inv_freq, which
+    Hugging Face reads in fp32 on purpose, stays fp32 and bit for bit the model's."""
+    model = build("llama")
+    want = {k: v.clone() for k, v in model.named_buffers() if k.endswith("inv_freq")}
+    assert want
+
+    def loss_fn(params, x):
+        return zf.apply(model, params, input_ids=x, labels=x).loss
+
+    step = zf.mixed_precision(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), torch.bfloat16,
+                              keep=lambda name: name.endswith("inv_freq"))
+    state = step.init(model)
+    state, metrics = step(state, tokens(0, 2))
+    assert torch.isfinite(metrics["loss"])
+    for k, v in want.items():
+        assert state.buffers[k].dtype == torch.float32 and torch.equal(state.buffers[k], v)
+    assert all(t.dtype == torch.bfloat16 for t in state.params.leaves)

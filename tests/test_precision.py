@@ -95,3 +95,38 @@ def test_model_state_bytes_follow_zero_formulas(stage, world):
         psi = sum(padded for _, _, padded in r["units"])
         held = r["memory"]["param_bytes"] + r["history"][-1]["grad_bytes"] + r["memory"]["optimizer_bytes"]
         assert held == pytest.approx(formula * psi, rel=0.05)
+
+
+
+def frozen_and_buffers_bf16(stage: int) -> dict:
+    """frozen_bn under bf16: its frozen weight, fixed shift and BatchNorm statistics follow the dtype."""
+    import zfunc as zf
+    from cases import _setup
+    from models import batch, local, loss
+
+    rank, world, model, shape_model, _ = _setup("frozen_bn", {}, 0)
+    frozen_before = model.blocks[0][0].weight.detach().clone()
+
+    def loss_fn(params, b):
+        return loss("frozen_bn", zf.apply(model, params, b[0]), b[1])
+
+    step = zf.mixed_precision(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), torch.bfloat16)
+    step = {0: step, 1: zf.zero1(step), 2: zf.zero2(step), 3: zf.zero3(step)}[stage]
+    state = step.init(model)
+    for i in range(2):
+        state, _ = step(state, local(batch("frozen_bn", shape_model, i, 4 * world), rank, world))
+    return {"buffers": {k: str(v.dtype) for k, v in state.buffers.items()},
+            "frozen": [str(t.dtype) for t in state.frozen.leaves if t.numel()],
+            "frozen_same": torch.equal(zf.gather_params(state)["blocks.0.0.weight"],
+                                       frozen_before.to(torch.bfloat16).float()),
+            "means": state.buffers["blocks.0.1.running_mean"].abs().sum().item()}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_frozen_parameters_and_buffers_follow_the_dtype(stage):
+    for r in workers(2).run(frozen_and_buffers_bf16, stage):
+        assert r["buffers"]["blocks.0.1.running_mean"] == "torch.bfloat16"
+        assert r["buffers"]["blocks.0.1.num_batches_tracked"] == "torch.int64"
+        assert r["buffers"]["shift"] == "torch.bfloat16"
+        assert r["frozen"] == ["torch.bfloat16"]
+        assert r["frozen_same"] and r["means"] > 0  # never updated; statistics were
