@@ -9,7 +9,7 @@
   ``MixedPrecisionPolicy``; ``reduce_dtype=dtype`` halves the bytes, as
   DeepSpeed does) and kept in ``dtype``, so ZeRO's formulas hold with P = G = 2.
   Frozen parameters and floating-point buffers are cast to ``dtype`` too,
-  except those ``keep`` names (e.g. BatchNorm running statistics).
+  except those ``keep`` names (e.g. rotary frequencies a model reads in fp32).
 * the update: the optimizer state holds the fp32 master copy of this rank's
   part (``MixedPrecisionState``; with AdamW's moments K = 12 bytes per
   parameter). One fused pass unscales the gradients, applies the clip factor,
