@@ -41,14 +41,21 @@ def reference(kind: str, batch_size: int) -> dict:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def run(kind: str, stage: int, per_rank: int) -> dict:
-    rank, world = zf.dist.rank(), zf.dist.world_size()
+def checkpointed(kind: str):
+    """The model with activation checkpointing, and its loss through zf.apply."""
     model = build(kind)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
 
     def loss_fn(params, x):
         return zf.apply(model, params, input_ids=x, labels=x).loss
+
+    return model, loss_fn
+
+
+def run(kind: str, stage: int, per_rank: int) -> dict:
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, loss_fn = checkpointed(kind)
 
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
     step = {0: step, 1: zf.zero1(step), 2: zf.zero2(step), 3: zf.zero3(step)}[stage]
@@ -88,12 +95,7 @@ def reference_bf16(kind: str, batch_size: int) -> tuple[dict, dict]:
 
 def run_bf16(kind: str, per_rank: int, micro: int) -> dict:
     rank, world = zf.dist.rank(), zf.dist.world_size()
-    model = build(kind)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-
-    def loss_fn(params, x):
-        return zf.apply(model, params, input_ids=x, labels=x).loss
+    model, loss_fn = checkpointed(kind)
 
     step = zf.zero3(zf.accumulate(zf.mixed_precision(zf.train_step(loss_fn, zf.optim.sgd(1e-2)), torch.bfloat16), micro))
     state = step.init(model)
