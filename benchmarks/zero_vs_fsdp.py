@@ -3,11 +3,25 @@
     python benchmarks/zero_vs_fsdp.py                  # the anchor's setup, W=2 gloo ranks, 1 thread each
     python benchmarks/zero_vs_fsdp.py --repeats 3      # modes interleaved 3 times, medians reported
     python benchmarks/zero_vs_fsdp.py --small          # smoke test, well under a minute
+    python benchmarks/zero_vs_fsdp.py --precision bf16 # bf16 compute, fp32 master weights and gradient reduction
 
 Every mode runs in its own fresh set of W processes, so peak RSS per rank
 (getrusage ru_maxrss) is that mode's alone. All modes train the same model from the
 same initial weights on the same synthetic batches, so they must reach the same
-loss: the table checks that, and says so loudly when they do not.
+loss: the table checks that, and says so loudly when they do not (to 1e-5 relative in
+fp32; to 2e-2 under bf16, where each mode rounds in its own places).
+
+--precision bf16: zfunc runs `zeroN(mixed_precision(train_step(...), torch.bfloat16))`
+(bf16 parameters, fp32 master weights, gradients reduced in fp32); FSDP2 gets
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); DDP (and "local") run their
+forward under torch.autocast("cpu", bf16) with fp32 weights and gradients; DeepSpeed gets
+"bf16": {"enabled": true} and its defaults otherwise (so it reduces gradients in bf16, half
+the bytes zfunc and FSDP2 reduce in fp32). Every mode casts the logits to fp32 before the cross-entropy.
+
+"all-gather MB per step" is measured, not computed: each worker wraps
+torch.distributed's all_gather_single (which all_gather_into_tensor and _all_gather_base
+call, and through which zfunc, FSDP2 and DeepSpeed gather) and all_gather, and sums the
+bytes of their output tensors on rank 0, per timed step (median over the timed steps).
 """
 import argparse
 import importlib.util
@@ -23,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zfunc as zf
@@ -33,6 +47,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
 from _launch import launch  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BF16_TOLERANCE, FP32_TOLERANCE = 2e-2, 1e-5
 
 MODES = {  # key -> description
     "local": "one process, W threads, global batch",
@@ -46,6 +63,13 @@ MODES = {  # key -> description
     "ds2": "DeepSpeed ZeRO-2",
     "ds3": "DeepSpeed ZeRO-3",
 }
+
+
+def mode_label(mode, precision):
+    """MODES[mode], plus how that mode computes in bf16 where it differs from the header's."""
+    if precision == "bf16" and mode in ("ddp", "local"):
+        return MODES[mode] + " + autocast(cpu, bf16), fp32 weights"
+    return MODES[mode]
 
 
 def have_deepspeed():
@@ -72,7 +96,11 @@ def parse_args():
                    help="implementation of torch.optim.AdamW for the torch and DeepSpeed modes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="run the whole set of modes this many times, interleaved")
-    p.add_argument("--tolerance", type=float, default=1e-5, help="relative loss difference flagged as a mismatch")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="fp32, or bf16 compute with fp32 master weights and fp32 gradient reduction")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help=f"relative loss difference flagged as a mismatch (default {FP32_TOLERANCE:g} in fp32, "
+                   f"{BF16_TOLERANCE:g} in bf16)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before its processes are killed")
     p.add_argument("--small", action="store_true", help="tiny model and few steps, for smoke testing")
     p.add_argument("--json", default=None, help="also write all raw results here")
@@ -85,6 +113,8 @@ def parse_args():
     if args.modes is None:
         args.modes = "ddp,fsdp2,zero0,zero1,zero2,zero3" + (",ds1,ds2,ds3" if have_deepspeed() else "")
     args.modes = args.modes.split(",")
+    if args.tolerance is None:
+        args.tolerance = BF16_TOLERANCE if args.precision == "bf16" else FP32_TOLERANCE
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
@@ -102,13 +132,56 @@ def torch_adamw(params, args):
     return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.wd, **ADAM_IMPL[args.torch_adam])
 
 
+def lm_loss(logits, y):
+    """Next-token cross-entropy; bf16 logits are cast to fp32 first (a no-op in fp32), in every mode."""
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+class GatherCounter:
+    """Sums the output bytes of every all-gather this process starts.
+
+    Wraps torch.distributed.all_gather_single (in the package and in distributed_c10d,
+    whose all_gather_into_tensor and _all_gather_base call it by its global name, so each
+    gather is counted once) and the list-valued all_gather. Installed before any model or
+    step exists; zfunc, FSDP2 and DeepSpeed look these up at call time."""
+
+    def __init__(self):
+        self.bytes = 0
+        c10d = dist.distributed_c10d
+        for name, size in (("all_gather_single", lambda a, kw: _nbytes(a[0] if a else kw["output_tensor"])),
+                           ("all_gather", lambda a, kw: sum(_nbytes(t) for t in (a[0] if a else kw["tensor_list"])))):
+            orig = getattr(c10d, name)
+            wrapped = self._wrap(orig, size)
+            setattr(c10d, name, wrapped)
+            setattr(dist, name, wrapped)
+
+    def _wrap(self, orig, size):
+        def wrapped(*a, **kw):
+            self.bytes += size(a, kw)
+            return orig(*a, **kw)
+        wrapped.__wrapped__ = orig
+        return wrapped
+
+    def take(self):
+        n, self.bytes = self.bytes, 0
+        return n
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
 def build(mode, model, args, world):
     """Returns train(x, y) -> loss tensor, one optimizer step, and whether that loss is
     already the global mean (zfunc) or this rank's own (the others)."""
 
-    def torch_train(module, opt):
+    bf16 = args.precision == "bf16"
+
+    def torch_train(module, opt, autocast=False):
         def train(x, y):
-            loss = F.cross_entropy(module(x).flatten(0, 1), y.flatten())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = module(x)
+            loss = lm_loss(logits, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -116,23 +189,27 @@ def build(mode, model, args, world):
         return train
 
     if mode == "local":
-        return torch_train(model, torch_adamw(model.parameters(), args)), True
+        return torch_train(model, torch_adamw(model.parameters(), args), autocast=bf16), True
     if mode == "ddp":
         ddp = DDP(model)
-        return torch_train(ddp, torch_adamw(ddp.parameters(), args)), False
+        return torch_train(ddp, torch_adamw(ddp.parameters(), args), autocast=bf16), False
     if mode == "fsdp2":
         mesh = init_device_mesh("cpu", (world,))
+        mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
         for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
         return torch_train(model, torch_adamw(model.parameters(), args)), False
     if mode.startswith("zero"):
         def loss_fn(params, batch):
             x, y = batch
-            return F.cross_entropy(zf.apply(model, params, x).flatten(0, 1), y.flatten())
+            return lm_loss(zf.apply(model, params, x), y)
 
         shard = {"zero0": lambda s: s, "zero1": zf.zero1, "zero2": zf.zero2, "zero3": zf.zero3}[mode]
-        step = shard(zf.train_step(loss_fn, zf.optim.adamw(args.lr, weight_decay=args.wd)))
+        step = zf.train_step(loss_fn, zf.optim.adamw(args.lr, weight_decay=args.wd))
+        if bf16:
+            step = zf.mixed_precision(step, torch.bfloat16)  # reduce_dtype: fp32 by default
+        step = shard(step)
         state = step.init(model)
 
         def train(x, y):
@@ -149,10 +226,12 @@ def build(mode, model, args, world):
             "zero_optimization": {"stage": int(mode[2:])},
             "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the others do not clip
         }
+        if bf16:  # bf16 parameters, fp32 master weights; DeepSpeed's default reduces gradients in bf16
+            config["bf16"] = {"enabled": True}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def train(x, y):
-            loss = F.cross_entropy(engine(x).flatten(0, 1), y.flatten())
+            loss = lm_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
             return loss.detach()
@@ -168,6 +247,7 @@ def current_rss_bytes():
 def worker(args):
     mode = args.worker
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    gathers = GatherCounter()  # before deepspeed's comm backend or any step is built
     if mode == "local":
         rank, world, batch = 0, 1, args.batch * args.world
     else:
@@ -195,11 +275,13 @@ def worker(args):
         tokens = torch.cat([torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g) for g in gens])
         batches.append((tokens[:, :-1], tokens[:, 1:]))
 
-    times, losses = [], []
+    times, losses, gathered = [], [], []
+    gathers.take()  # setup's gathers (FSDP2's init, zfunc's step.init) are not a step's
     for x, y in batches:
         t0 = time.perf_counter()
         losses.append(train(x, y).item())
         times.append(time.perf_counter() - t0)
+        gathered.append(gathers.take())
 
     losses = torch.tensor(losses, dtype=torch.float64)
     if not loss_is_global:
@@ -207,6 +289,7 @@ def worker(args):
         losses /= world
     result = dict(mode=mode, rank=rank, world=world, params=n_params, step_s=times[args.warmup:],
                   median_step_s=statistics.median(times[args.warmup:]), losses=losses.tolist(),
+                  all_gather_bytes=gathered, median_all_gather_bytes=statistics.median(gathered[args.warmup:]),
                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, baseline_rss_bytes=baseline_rss)
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -225,7 +308,8 @@ def run_mode(mode, args, tmp, repeat):
     result = os.path.join(tmp, f"{mode}.{repeat}")
     argv = [os.path.abspath(__file__), "--worker", mode, "--result", result] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-        ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch", "world", "lr", "wd", "torch_adam", "seed")]
+        ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch", "world", "lr", "wd", "torch_adam", "seed",
+          "precision")]
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if mode.startswith("ds"):
         env["DS_ACCELERATOR"] = "cpu"
@@ -241,19 +325,23 @@ def run_mode(mode, args, tmp, repeat):
     out = dict(mode=mode, repeat=repeat, params=ranks[0]["params"], median_step_s=ranks[0]["median_step_s"],
                peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
                peak_above_baseline_bytes=max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
-               final_loss=ranks[0]["losses"][-1], ranks=ranks)
+               final_loss=ranks[0]["losses"][-1], all_gather_bytes=ranks[0]["median_all_gather_bytes"], ranks=ranks)
     print(f"[{mode}] repeat {repeat}: {out['median_step_s']:.3f} s/step, {out['peak_rss_bytes'] / 1e9:.2f} GB peak RSS, "
+          f"{out['all_gather_bytes'] / 1e6:.2f} MB all-gathered/step, "
           f"loss {out['final_loss']:.6f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     return out
 
 
 def table(results, args):
     modes = [m for m in args.modes if results[m]]
+    precision = getattr(args, "precision", "fp32")  # --from-json files written before --precision
     summary = {m: dict(step_s=statistics.median(r["median_step_s"] for r in results[m]),
                        rss=statistics.median(r["peak_rss_bytes"] for r in results[m]),
                        rss_above=statistics.median(r["peak_above_baseline_bytes"] for r in results[m]),
                        loss=results[m][0]["final_loss"], params=results[m][0]["params"],
-                       all_step_s=[r["median_step_s"] for r in results[m]]) for m in modes}
+                       all_step_s=[r["median_step_s"] for r in results[m]],
+                       gather=(statistics.median(r["all_gather_bytes"] for r in results[m])
+                               if all("all_gather_bytes" in r for r in results[m]) else None)) for m in modes}
     base = "fsdp2" if "fsdp2" in summary else modes[0]
     ref = "local" if "local" in summary else ("ddp" if "ddp" in summary else modes[0])
     b, mismatches = summary[base], []
@@ -268,23 +356,31 @@ def table(results, args):
     ddp = "ddp" if "ddp" in summary and base != "ddp" else None
     lines = [f"| mode | median step s | time / {base} |" + (" time / ddp |" if ddp else "")
              + f" peak RSS per rank | RSS / {base} | peak above baseline | "
-             f"above / {base} | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
-             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"above / {base} | all-gather MB per step | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
+             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for m in modes:
         s = summary[m]
         rel = abs(s["loss"] - summary[ref]["loss"]) / abs(summary[ref]["loss"])
         ok = rel <= args.tolerance
         if not ok:
-            mismatches.append(f"{MODES[m]} reached {s['loss']:.8f}, {ref} {summary[ref]['loss']:.8f}: "
+            mismatches.append(f"{mode_label(m, precision)} reached {s['loss']:.8f}, {ref} {summary[ref]['loss']:.8f}: "
                               f"relative difference {rel:.2e} > {args.tolerance:g}")
         spread = "" if len(s["all_step_s"]) == 1 else f" ({min(s['all_step_s']):.3f}-{max(s['all_step_s']):.3f})"
-        lines.append(f"| {MODES[m]} | {s['step_s']:.3f}{spread} | {time_ratio(m, base):.2f} |"
+        gather = "" if s["gather"] is None else f"{s['gather'] / 1e6:.2f}"
+        lines.append(f"| {mode_label(m, precision)} | {s['step_s']:.3f}{spread} | {time_ratio(m, base):.2f} |"
                      + (f" {time_ratio(m, ddp):.2f} |" if ddp else "") + f" {s['rss'] / 1e9:.2f} GB | "
-                     f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
+                     f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | {gather} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
     for m in modes:  # a rerun of the same mode must give the same loss too
         if len({r["final_loss"] for r in results[m]}) > 1:
-            mismatches.append(f"{MODES[m]} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
+            mismatches.append(f"{mode_label(m, precision)} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
     return "\n".join(lines), summary, mismatches
+
+
+def precision_text(precision):
+    if precision == "bf16":
+        return ("bf16 (zfunc: mixed_precision, bf16 params, fp32 master + fp32 grad reduce; FSDP2: MixedPrecisionPolicy "
+                "bf16/fp32 reduce; DeepSpeed: bf16 + fp32 communication; DDP: autocast bf16 over fp32 weights)")
+    return "fp32"
 
 
 def main(args):
@@ -292,7 +388,7 @@ def main(args):
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        args = argparse.Namespace(**{**saved["args"], "json": None})
+        args = argparse.Namespace(**{"precision": "fp32", **saved["args"], "json": None})
         results = saved["results"]
     else:
         results = {m: [] for m in args.modes}
@@ -309,10 +405,14 @@ def main(args):
     text, summary, mismatches = table(results, args)
     params = next(iter(summary.values()))["params"]
     print(f"\nGPT pre-LN, {args.layers} layers, d_model {args.width}, {args.heads} heads, vocab {args.vocab}, seq {args.seq}, "
-          f"untied, {params / 1e6:.1f}M params, fp32, AdamW (lr {args.lr}, wd {args.wd}; torch modes: {args.torch_adam}); "
+          f"untied, {params / 1e6:.1f}M params, {precision_text(args.precision)}, AdamW (lr {args.lr}, wd {args.wd}; torch modes: {args.torch_adam}); "
           f"W={args.world} gloo ranks x {args.threads} thread(s), batch {args.world} x {args.batch}; "
           f"{args.warmup} warm-up + {args.steps} timed steps; median over {args.repeats} repeat(s); torch {torch.__version__}\n")
     print(text, flush=True)
+    print(f"\nLoss check: relative tolerance {args.tolerance:g} "
+          f"({'bf16 default' if args.tolerance == BF16_TOLERANCE and args.precision == 'bf16' else 'fp32 default' if args.tolerance == FP32_TOLERANCE and args.precision == 'fp32' else 'set by --tolerance'}). "
+          "All-gather MB: output bytes of every all-gather on rank 0 in one step, counted by wrapping "
+          "torch.distributed.all_gather_single / all_gather in the worker.")
     if not have_deepspeed():
         print("\n(DeepSpeed modes skipped: `import deepspeed` fails here.)")
     if failed:
