@@ -9,11 +9,12 @@ split into start and wait (``dist.Pending``) so one coordinator can drive them.
 A unit's life::
 
     home (device / CPU / NVMe; replicated or this rank's shard)
-      -- materialize: read in, all-gather if sharded, cast to compute dtype -->
+      -- materialize: read in, all-gather if sharded (stored in the compute dtype) -->
     full flat buffer (views handed to the module)  -- released after use
     full flat gradient (one buffer, made by Unflatten's backward)
       -- send home: all-reduce or reduce-scatter (mean) in the reduce dtype -->
-    gradient in the home representation  -- the optimizer updates the home copy
+    gradient in the home representation (the param dtype; fp32 accumulators under
+    zfunc.accumulate)  -- the optimizer updates the home copy (or the fp32 master)
 
 | field | today's transforms |
 | --- | --- |
