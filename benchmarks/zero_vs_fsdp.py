@@ -379,7 +379,7 @@ def table(results, args):
 def precision_text(precision):
     if precision == "bf16":
         return ("bf16 (zfunc: mixed_precision, bf16 params, fp32 master + fp32 grad reduce; FSDP2: MixedPrecisionPolicy "
-                "bf16/fp32 reduce; DeepSpeed: bf16 + fp32 communication; DDP: autocast bf16 over fp32 weights)")
+                "bf16/fp32 reduce; DeepSpeed: bf16, its default bf16 gradient reduce; DDP: autocast bf16 over fp32 weights)")
     return "fp32"
 
 
