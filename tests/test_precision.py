@@ -130,3 +130,16 @@ def test_frozen_parameters_and_buffers_follow_the_dtype(stage):
         assert r["buffers"]["shift"] == "torch.bfloat16"
         assert r["frozen"] == ["torch.bfloat16"]
         assert r["frozen_same"] and r["means"] > 0  # never updated; statistics were
+
+
+def test_fp16_clipping_sees_unscaled_gradients():
+    """Under a loss scale of 1024 the clip must act on the true norm: a clip the scaled
+    norm would trip 1024 times harder leaves the result equal to the reference's."""
+    kw = MODELS["deep_mlp"]
+    init = reference("deep_mlp", kw, steps=0)["params"]
+    ref = reference_mixed("deep_mlp", kw, torch.float16, 3, 8, loss_scale=FP16_SCALE, sgd=True, clip=0.05)
+    for stage in (0, 2):
+        for r in workers(2).run(run_composed, "deep_mlp", kw, stage, 3, 4, 0, _prec(torch.float16), None, 0.05,
+                                False, None, True):
+            _check(r["params"], ref["params"], init, U[torch.float16], True)
+            assert all(0.05 < h["grad_norm"] < 100 for h in r["history"])  # unscaled, and clipped
