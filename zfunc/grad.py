@@ -287,7 +287,7 @@ def zeros_for_unused(grads: Params) -> Params:
     leaves = [
         g if g is not None else torch.zeros(
             layout.shard_numel(spec.segment(i).padded, w) if spec.sharded[i] else spec.segment(i).padded,
-            dtype=spec.segment(i).dtype, device=_device(grads))
+            dtype=spec.placements[i].param_dtype or spec.segment(i).dtype, device=_device(grads))
         for i, g in enumerate(grads.leaves)
     ]
     return Params(spec, leaves)
