@@ -16,8 +16,9 @@ Communication overlaps compute: while a unit runs, the next unit's all-gather
 is already in flight (module order in forward, the reverse of the recorded
 forward order in backward), and gradient reductions are started
 asynchronously and waited for once backward is over. At most one unit is
-prefetched at a time, so ZeRO-3 keeps at most two units and the root whole; the
-root stays gathered from forward into backward.
+prefetched at a time, so ZeRO-3 keeps at most two units and the root whole. The
+root, and the unit forward released last, stay gathered from forward into backward,
+which needs them first.
 """
 from __future__ import annotations
 
@@ -154,7 +155,8 @@ class Tracker:
 
     def __init__(self):
         self.live: dict[int, _Unit] = {}  # storage ptr of a gathered buffer -> its unit
-        self.backward_cache: dict[_Unit, torch.Tensor] = {}  # unit -> re-gathered buffer
+        self.backward_cache: dict[_Unit, torch.Tensor] = {}  # unit -> buffer for backward
+        self.backward_started: set[_Unit] = set()  # units backward has asked for
         self.order: list[_Unit] = []  # gathering units in the order forward first used them
         self.reductions: list[dist.Pending] = []
         self.units: list[_Unit] = []
@@ -178,6 +180,13 @@ class Tracker:
 
     def released(self, unit: _Unit, buf: torch.Tensor) -> None:
         if self.live.pop(buf.untyped_storage().data_ptr(), None) is not None:
+            self.freed(buf)
+            buffers.give(buf)
+
+    def drop_kept(self, unit: _Unit) -> None:
+        """Backward will not get ``unit``'s kept buffer after all: give it back."""
+        buf = self.backward_cache.pop(unit, None)
+        if buf is not None:
             self.freed(buf)
             buffers.give(buf)
 
@@ -222,6 +231,8 @@ class Tracker:
             with torch.no_grad():
                 buf = unit.gather()
             self.backward_cache[unit] = buf
+        if unit not in self.backward_started:  # backward reached this unit: start the next gather
+            self.backward_started.add(unit)
             self._prefetch_before(unit)
         return buf
 
@@ -308,6 +319,10 @@ class Units:
         # the root unit (embeddings, the head) stays gathered from forward into backward,
         # which needs it first: one all-gather fewer a step (FSDP2 keeps its root the same way)
         self.kept = next((i for i, u in enumerate(spec.model.units) if u.name == ""), None) if differentiable else None
+        # so does the unit forward released last, until forward gathers another: when forward
+        # ends, that is the block backward needs next, and it is not gathered twice
+        self.differentiable = differentiable
+        self.last: _Unit | None = None
 
     def acquire(self, index: int) -> dict[str, torch.Tensor]:
         if index not in self.views:
@@ -315,6 +330,9 @@ class Units:
             if unit.leaf.numel() == 0:
                 full = unit.leaf
             else:
+                if self.last is not None:
+                    self.tracker.drop_kept(self.last)
+                    self.last = None
                 unit.uses += 1
                 full = Materialize.apply(unit.anchor, unit)
                 self.tracker.gathered(unit, full)
@@ -331,7 +349,13 @@ class Units:
         if self.refs[index] == 0:
             del self.views[index], self.refs[index]
             buf = self.buffers.pop(index)
+            unit = self.units[index]
             if index == self.kept and torch.is_grad_enabled():
-                self.tracker.keep_for_backward(self.units[index], buf)
+                self.tracker.keep_for_backward(unit, buf)
+            elif self.differentiable and unit.gathers and torch.is_grad_enabled() and not self.tracker.backward_started:
+                if self.last is not None:
+                    self.tracker.drop_kept(self.last)
+                self.tracker.keep_for_backward(unit, buf)
+                self.last = unit
             else:
                 self.tracker.released(self.units[index], buf)
