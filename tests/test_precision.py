@@ -59,6 +59,7 @@ def test_matches_pytorch_mixed_precision(name, world, dtype):
             for r in workers(world).run(run_composed, name, kw, stage, 3, 4, 0, _prec(dtype), None, None, False, None, sgd):
                 assert r["dtypes"] == [str(dtype)]
                 _check(r["params"], ref["params"], init, U[dtype], sgd)
+                # the loss is computed in the dtype: a few roundings of u apart, as the gradients
                 assert [h["loss"] for h in r["history"]] == pytest.approx(ref["losses"], rel=16 * U[dtype])
                 assert not any(h["skipped"] for h in r["history"])
 
@@ -92,9 +93,10 @@ def test_model_state_bytes_follow_zero_formulas(stage, world):
     kw = {"d_in": 5, "width": 23, "depth": 4, "d_out": 3}
     formula = {0: (P + G + K), 1: (P + G) + K / world, 2: P + (G + K) / world, 3: (P + G + K) / world}[stage]
     for r in workers(world).run(run_composed, "deep_mlp", kw, stage, 1, 2, 0, {"dtype": torch.bfloat16}):
-        psi = sum(padded for _, _, padded in r["units"])
+        psi = sum(padded for _, _, padded in r["units"])  # parameters plus the padding to a multiple of W
         held = r["memory"]["param_bytes"] + r["history"][-1]["grad_bytes"] + r["memory"]["optimizer_bytes"]
-        assert held == pytest.approx(formula * psi, rel=0.05)
+        counters = 8 * (len(r["units"]) + 1)  # AdamW's int64 step count per unit, and its update count
+        assert held == formula * psi + counters
 
 
 
