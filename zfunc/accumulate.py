@@ -57,8 +57,10 @@ class GradSink:
         acc.add_(grad_full)
         buffers.give(grad_full)
         if self.last:
-            tracker.reducing(placement.send_home_start(unit.place, acc, unit.group, out_dtype=acc.dtype)
-                             .then(lambda out: out is acc or acc.copy_(out), acc))
+            pending = placement.send_home_start(unit.place, acc, unit.group, out_dtype=acc.dtype)
+            if pending.out is not acc:  # reduced in another dtype, or W = 1 made a copy
+                pending = pending.then(acc.copy_, acc)
+            tracker.reducing(pending)
 
     def grads(self) -> Params:
         """The accumulated gradients; ``None`` for a unit no micro-batch used."""

@@ -178,27 +178,29 @@ class Tracker:
             if unit not in self.order:
                 self.order.append(unit)
 
+    def _give_back(self, buf: torch.Tensor) -> None:
+        self.freed(buf)
+        buffers.give(buf)
+
     def released(self, unit: _Unit, buf: torch.Tensor) -> None:
         if self.live.pop(buf.untyped_storage().data_ptr(), None) is not None:
-            self.freed(buf)
-            buffers.give(buf)
+            self._give_back(buf)
+
+    def keep_for_backward(self, unit: _Unit, buf: torch.Tensor) -> None:
+        """Forward is done with ``buf`` but backward will want it: keep it instead of re-gathering
+        (unless backward already re-gathered it, for an activation checkpoint)."""
+        if self.live.pop(buf.untyped_storage().data_ptr(), None) is None:
+            return
+        if unit in self.backward_cache:
+            self._give_back(buf)
+        else:
+            self.backward_cache[unit] = buf
 
     def drop_kept(self, unit: _Unit) -> None:
         """Backward will not get ``unit``'s kept buffer after all: give it back."""
         buf = self.backward_cache.pop(unit, None)
         if buf is not None:
-            self.freed(buf)
-            buffers.give(buf)
-
-    def keep_for_backward(self, unit: _Unit, buf: torch.Tensor) -> None:
-        """Forward is done with ``buf`` but backward will want it: keep it instead of re-gathering."""
-        if self.live.pop(buf.untyped_storage().data_ptr(), None) is None:
-            return
-        if unit in self.backward_cache:  # already re-gathered (an activation checkpoint)
-            self.freed(buf)
-            buffers.give(buf)
-        else:
-            self.backward_cache[unit] = buf
+            self._give_back(buf)
 
     def pack(self, t: torch.Tensor):
         if not self.live or t.layout != torch.strided:
@@ -318,7 +320,7 @@ class Units:
         self.refs: dict[int, int] = {}
         # the root unit (embeddings, the head) stays gathered from forward into backward,
         # which needs it first: one all-gather fewer a step (FSDP2 keeps its root the same way)
-        self.kept = next((i for i, u in enumerate(spec.model.units) if u.name == ""), None) if differentiable else None
+        self.root = next((i for i, u in enumerate(spec.model.units) if u.name == ""), None)
         # so does the unit forward released last, until forward gathers another: when forward
         # ends, that is the block backward needs next, and it is not gathered twice
         self.differentiable = differentiable
@@ -330,9 +332,7 @@ class Units:
             if unit.leaf.numel() == 0:
                 full = unit.leaf
             else:
-                if self.last is not None:
-                    self.tracker.drop_kept(self.last)
-                    self.last = None
+                self._drop_last()
                 unit.uses += 1
                 full = Materialize.apply(unit.anchor, unit)
                 self.tracker.gathered(unit, full)
@@ -348,14 +348,17 @@ class Units:
         self.refs[index] -= 1
         if self.refs[index] == 0:
             del self.views[index], self.refs[index]
-            buf = self.buffers.pop(index)
-            unit = self.units[index]
-            if index == self.kept and torch.is_grad_enabled():
+            buf, unit = self.buffers.pop(index), self.units[index]
+            in_forward = self.differentiable and torch.is_grad_enabled() and not self.tracker.backward_started
+            if in_forward and (index == self.root or unit.gathers):
+                if index != self.root:
+                    self._drop_last()
+                    self.last = unit
                 self.tracker.keep_for_backward(unit, buf)
-            elif self.differentiable and unit.gathers and torch.is_grad_enabled() and not self.tracker.backward_started:
-                if self.last is not None:
-                    self.tracker.drop_kept(self.last)
-                self.tracker.keep_for_backward(unit, buf)
-                self.last = unit
             else:
-                self.tracker.released(self.units[index], buf)
+                self.tracker.released(unit, buf)
+
+    def _drop_last(self) -> None:
+        if self.last is not None:
+            self.tracker.drop_kept(self.last)
+            self.last = None

@@ -110,16 +110,23 @@ def fusing(update: Callable) -> Callable:
     return update
 
 
-def _scale_(tree, scale: float) -> None:
-    """Multiply every tensor leaf of ``tree`` by ``scale``, in place."""
-    if scale == 1.0:
+def _scale_(tree, scale: float | torch.Tensor) -> None:
+    """Multiply every tensor leaf of ``tree`` by ``scale`` (a number or a 0-d tensor), in place."""
+    if isinstance(scale, float) and scale == 1.0:
         return
     by_device = defaultdict(list)
     for g in tree_flatten(tree)[0]:
         if g is not None:
             by_device[g.device].append(g)
-    for grads in by_device.values():
-        torch._foreach_mul_(grads, scale)
+    for device, grads in by_device.items():
+        torch._foreach_mul_(grads, scale.to(device) if isinstance(scale, torch.Tensor) else scale)
+
+
+def _realize(updates, info: GradInfo | None) -> None:
+    """Apply ``info``'s pending scale to ``updates`` in place, for code that reads true values."""
+    if info is not None:
+        _scale_(updates, info.scale)
+        info.scale, info.sq_norm = 1.0, None
 
 
 def apply_update(optimizer: "Optimizer", grads, opt_state, params, *, info: GradInfo | None = None,
@@ -130,8 +137,7 @@ def apply_update(optimizer: "Optimizer", grads, opt_state, params, *, info: Grad
     if getattr(optimizer.update, "fuses", False):
         kw = {k: v for k, v in (("info", info), ("lowp_params", lowp_params)) if v is not None}
         return optimizer.update(grads, opt_state, params, **kw)
-    if info is not None:
-        _scale_(grads, info.scale)
+    _realize(grads, info)
     params, opt_state = optimizer.update(grads, opt_state, params)
     if lowp_params is not None:
         tree_map(lambda lo, p: lo.copy_(p), lowp_params, params)
@@ -194,9 +200,7 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
             if info is not None and getattr(t.update, "fuses", False):
                 updates, s = t.update(updates, s, params, info=info)
             else:
-                if info is not None:  # a transformation that reads the true values
-                    _scale_(updates, info.scale)
-                    info.scale, info.sq_norm = 1.0, None
+                _realize(updates, info)  # a transformation that reads the true values
                 updates, s = t.update(updates, s, params)
             new_state.append(s)
         return updates, new_state
@@ -212,9 +216,7 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
 
     def update(updates, state, params=None, *, info=None):
         updates, new_state = transform_grads(updates, state, params, info)
-        if info is not None:  # whoever reads these updates next expects true values
-            _scale_(updates, info.scale)
-            info.scale, info.sq_norm = 1.0, None
+        _realize(updates, info)  # whoever reads these updates next expects true values
         return updates, tuple(new_state)
 
     return GradientTransformation(init, fusing(update))
@@ -242,12 +244,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if info is not None:  # fold the factor into the step's scale; the norm is known
             info.scale *= min(1.0, max_norm / (info.norm(updates) + 1e-6))
             return updates, state
-        coef = torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0)
-        by_device = defaultdict(list)
-        for g in leaves:
-            by_device[g.device].append(g)
-        for device, grads in by_device.items():
-            torch._foreach_mul_(grads, coef.to(device))
+        _scale_(updates, torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0))
         return updates, state
 
     return GradientTransformation(init, fusing(update))
