@@ -151,28 +151,41 @@ def all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
     return all_gather_start(shard, group).wait()
 
 
-def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool = False) -> Pending:
+def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool = False,
+                              out_dtype: torch.dtype | None = None) -> Pending:
     """Start the mean over ranks of ``full`` (1-D, length divisible by W), this rank's slice.
 
     With ``scratch`` the caller gives up ``full``: under gloo it is then
     all-reduced in place and sliced, which moves twice the bytes of a
     reduce-scatter yet takes about half the time (gloo's reduce-scatter
-    copies its input first and has a slower algorithm).
+    copies its input first and has a slower algorithm); the division by W
+    writes the result in ``out_dtype`` (default ``full``'s) in the same pass.
     """
     w = world_size(group)
     if w == 1:
         return Pending(full)
     full = full.contiguous()
-    out = buffers.empty(layout.shard_numel(full.numel(), w), full.dtype, full.device)
+    shard_numel = layout.shard_numel(full.numel(), w)
     if scratch and dist.get_backend(group) == "gloo":
-        mine = layout.shard(full, rank(group), w)
+        out = buffers.empty(shard_numel, out_dtype or full.dtype, full.device)
+        r = rank(group)
 
         def finish():
-            torch.div(mine, w, out=out)
-            buffers.give(full)  # the caller gave it up: the next gather of its size reuses it
+            mine = layout.shard(full, r, w)
+            if out.dtype == mine.dtype:
+                torch.div(mine, w, out=out)
+            else:  # in place first: torch.div into another dtype would allocate (and fault in) a temporary
+                out.copy_(mine.div_(w))
+            del mine
+            buffers.give(full)  # the caller gave it up (and no view of it is left): the next of its size reuses it
 
         return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish)
-    return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
+    out = buffers.empty(shard_numel, full.dtype, full.device)
+    pending = Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
+    if out_dtype in (None, full.dtype):
+        return pending
+    cast = torch.empty(shard_numel, dtype=out_dtype, device=full.device)
+    return pending.then(cast.copy_, cast)
 
 
 def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:

@@ -1,11 +1,12 @@
 """Materializing units: gather in forward, send gradients home in backward.
 
 ``Materialize`` is one autograd Function per unit use: forward turns the
-stored leaf (a shard, or the full buffer) into the full flat buffer; backward
-reduces the full gradient back to the leaf's representation (reduce-scatter or
-all-reduce, mean over ranks) the moment autograd is done with the unit.
-``Unflatten`` cuts that buffer into parameter views; its backward gathers their
-gradients into one new buffer, which the reduction may then use in place.
+stored leaf (a shard, or the full buffer) into the full flat buffer and cuts it
+into parameter views; backward writes the views' gradients into one new flat
+buffer, already in the dtype the reduction runs in (so a bf16 unit reduced in
+fp32 is cast in that same pass), and reduces it in place back to the leaf's
+representation (reduce-scatter or all-reduce, mean over ranks) the moment
+autograd is done with the unit.
 
 Gathered buffers are never kept alive for backward: a saved-tensor hook
 replaces any saved view of one with a small handle, and the unpack hook
@@ -35,7 +36,7 @@ class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
     __slots__ = ("index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers", "tracker",
-                 "uses", "pending")
+                 "uses", "pending", "full", "full_numel")
 
     def __init__(self, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None):
         self.index = index
@@ -49,6 +50,8 @@ class _Unit:
         self.tracker = tracker
         self.uses = 0  # Materialize calls in this forward
         self.pending: dist.Pending | None = None  # a prefetched materialization
+        self.full: torch.Tensor | None = None  # the full buffer of the latest Materialize
+        self.full_numel = leaf.numel() * (dist.world_size(group) if self.gathers else 1)
 
     def prefetch(self) -> None:
         if self.gathers and self.pending is None:
@@ -63,8 +66,14 @@ class _Unit:
         pending, self.pending = self.pending, None
         return pending.wait()
 
+    def grad_dtype(self) -> torch.dtype:
+        """The full gradient's dtype: the reduction's, unless nothing is reduced (W = 1)."""
+        if self.tracker.sink is None and dist.world_size(self.group) == 1:
+            return self.leaf.dtype
+        return self.place.reduce_dtype or self.leaf.dtype
+
     def reduce(self, grad_full: torch.Tensor) -> torch.Tensor | None:
-        # grad_full is ours (Unflatten's backward made it): it is reduced in place
+        # grad_full is ours (Materialize's backward made it): it is reduced in place
         if self.tracker.sink is not None:  # accumulating: the sink takes it, autograd gets None
             self.tracker.sink.take(self, grad_full)
             return None
@@ -78,51 +87,35 @@ class _Unit:
 
 
 class Materialize(torch.autograd.Function):
-    """``anchor`` is what autograd differentiates: the leaf itself, or for a full
+    """A unit's stored form to one view per parameter (``Segment.unflatten`` of the full buffer).
+
+    ``anchor`` is what autograd differentiates: the leaf itself, or for a full
     leaf with sharded gradients (stage 2) a shard-shaped stand-in, since a
-    gradient must have its input's shape."""
+    gradient must have its input's shape. The full buffer is left in
+    ``unit.full`` for the caller. Backward writes the gradients into one new
+    flat buffer (zeros where a parameter got none, and in the padding) that
+    the reduction owns and reduces in place; autograd's own backward of
+    ``split`` would give a buffer it might share, in the parameters' dtype.
+    """
 
     @staticmethod
-    def forward(anchor: torch.Tensor, unit: _Unit) -> torch.Tensor:
+    def forward(anchor: torch.Tensor, unit: _Unit) -> tuple[torch.Tensor, ...]:
         full = unit.gather()
-        return full if full is not unit.leaf else full.view_as(full)
+        unit.full = full
+        return tuple(unit.segment.unflatten(full).values())
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.unit = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad_full):
-        unit: _Unit = ctx.unit
-        unit.tracker.release_backward(unit)
-        return unit.reduce(grad_full), None
-
-
-class Unflatten(torch.autograd.Function):
-    """A unit's flat buffer to one view per parameter (``Segment.unflatten``).
-
-    Backward writes the parameters' gradients into one new flat buffer (zeros
-    where a parameter got none, and in the padding). The unit's reduction
-    then owns that buffer and reduces it in place; autograd's own backward
-    of ``split`` would give a buffer it might share.
-    """
-
-    @staticmethod
-    def forward(flat: torch.Tensor, segment) -> tuple[torch.Tensor, ...]:
-        return tuple(segment.unflatten(flat).values())
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        flat, ctx.segment = inputs
-        ctx.flat = (flat.numel(), flat.dtype, flat.device)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, *grads):
-        numel, dtype, device = ctx.flat
-        flat = buffers.take(numel, dtype, device)
+        unit: _Unit = ctx.unit
+        unit.tracker.release_backward(unit)
+        flat = buffers.take(unit.full_numel, unit.grad_dtype(), unit.leaf.device)
         offset = 0
-        for entry, g in zip(ctx.segment.entries, grads):
+        for entry, g in zip(unit.segment.entries, grads):
             dst = flat[offset : offset + entry.numel]
             if g is None:
                 dst.zero_()
@@ -130,14 +123,7 @@ class Unflatten(torch.autograd.Function):
                 dst.view(entry.shape).copy_(g)
             offset += entry.numel
         flat[offset:].zero_()
-        return flat, None
-
-
-def unflatten(segment, full: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``segment.unflatten(full)``, through ``Unflatten`` when gradients flow."""
-    if not (segment.entries and full.requires_grad and torch.is_grad_enabled()):
-        return segment.unflatten(full)
-    return dict(zip((e.name for e in segment.entries), Unflatten.apply(full, segment)))
+        return unit.reduce(flat), None
 
 
 @dataclass
@@ -329,17 +315,19 @@ class Units:
     def acquire(self, index: int) -> dict[str, torch.Tensor]:
         if index not in self.views:
             unit = self.units[index]
+            segment = self.spec.segment(index)
             if unit.leaf.numel() == 0:
-                full = unit.leaf
+                full, views = unit.leaf, segment.unflatten(unit.leaf)
             else:
                 self._drop_last()
                 unit.uses += 1
-                full = Materialize.apply(unit.anchor, unit)
+                views = dict(zip((e.name for e in segment.entries), Materialize.apply(unit.anchor, unit)))
+                full, unit.full = unit.full, None
                 self.tracker.gathered(unit, full)
                 if index in self._next:
                     self._next[index].prefetch()
             self.buffers[index] = full
-            self.views[index] = unflatten(self.spec.segment(index), full)
+            self.views[index] = views
             self.refs[index] = 0
         self.refs[index] += 1
         return self.views[index]

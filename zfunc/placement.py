@@ -11,7 +11,7 @@ A unit's life::
     home (device / CPU / NVMe; replicated or this rank's shard)
       -- materialize: read in, all-gather if sharded (stored in the compute dtype) -->
     full flat buffer (views handed to the module)  -- released after use
-    full flat gradient (one buffer, made by Unflatten's backward)
+    full flat gradient (one buffer, made by Materialize's backward in the reduce dtype)
       -- send home: all-reduce or reduce-scatter (mean) in the reduce dtype -->
     gradient in the home representation (the param dtype; fp32 accumulators under
     zfunc.accumulate)  -- the optimizer updates the home copy (or the fp32 master)
@@ -112,9 +112,8 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
         buffers.give(grad_full)
         grad_full = wide
     if place.grads_sharded:
-        pending = dist.reduce_scatter_mean_start(grad_full, group, scratch=True)
-    else:
-        pending = dist.all_reduce_mean_start(grad_full, group)
+        return dist.reduce_scatter_mean_start(grad_full, group, scratch=True, out_dtype=out_dtype)
+    pending = dist.all_reduce_mean_start(grad_full, group)
     if out_dtype == reduce_dtype:
         return pending
     out = torch.empty(pending.out.shape, dtype=out_dtype, device=pending.out.device)
