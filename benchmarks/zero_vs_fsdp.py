@@ -62,6 +62,8 @@ MODES = {  # key -> description
     "ds1": "DeepSpeed ZeRO-1",
     "ds2": "DeepSpeed ZeRO-2",
     "ds3": "DeepSpeed ZeRO-3",
+    "zero3_cpu": "zfunc zero3(offload_cpu(...))",
+    "ds3_cpu": "DeepSpeed ZeRO-3, optimizer offloaded to CPU",
 }
 
 
@@ -205,10 +207,13 @@ def build(mode, model, args, world):
             x, y = batch
             return lm_loss(zf.apply(model, params, x), y)
 
-        shard = {"zero0": lambda s: s, "zero1": zf.zero1, "zero2": zf.zero2, "zero3": zf.zero3}[mode]
+        stage, _, offload = mode.partition("_")
+        shard = {"zero0": lambda s: s, "zero1": zf.zero1, "zero2": zf.zero2, "zero3": zf.zero3}[stage]
         step = zf.train_step(loss_fn, zf.optim.adamw(args.lr, weight_decay=args.wd))
         if bf16:
             step = zf.mixed_precision(step, torch.bfloat16)  # reduce_dtype: fp32 by default
+        if offload == "cpu":
+            step = zf.offload_cpu(step)
         step = shard(step)
         state = step.init(model)
 
@@ -223,9 +228,12 @@ def build(mode, model, args, world):
             "train_micro_batch_size_per_gpu": args.batch,
             "gradient_accumulation_steps": 1,
             "optimizer": {"type": "AdamW", "params": dict(lr=args.lr, weight_decay=args.wd, torch_adam=True, **ADAM_IMPL[args.torch_adam])},
-            "zero_optimization": {"stage": int(mode[2:])},
+            "zero_optimization": {"stage": int(mode[2])},
             "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the others do not clip
         }
+        if mode.endswith("_cpu"):  # torch AdamW on the offloaded state (DeepSpeedCPUAdam would need its op JIT-built)
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+            config["zero_force_ds_cpu_optimizer"] = False
         if bf16:  # bf16 parameters, fp32 master weights; DeepSpeed's default reduces gradients in bf16
             config["bf16"] = {"enabled": True}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -19,11 +19,12 @@ def is_linear(name: str, module: nn.Module) -> bool:
 
 def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | None = None,
             units_via: str = "zero3", evaluate: bool = False, precision: dict | None = None,
-            micro: int | None = None, precision_outside: bool = False, opt=None):
+            micro: int | None = None, precision_outside: bool = False, opt=None, offload: dict | None = None):
     """The step for ``stage``; ``units_via`` says where the unit policy is given:
     ``zero3(units=)``, ``train_step(units=)``, or ``zf.units`` inside or outside the stage.
     ``precision``: ``zf.mixed_precision``'s keywords; ``micro``: ``zf.accumulate``'s n,
-    inside ``mixed_precision`` unless ``precision_outside`` is False (then outside)."""
+    inside ``mixed_precision`` unless ``precision_outside`` is False (then outside);
+    ``offload``: ``{"kind": "cpu" | "nvme", **keywords}``, outside both, inside the stage."""
     if evaluate:
         base = zf.eval_step(loss_fn, units=units if units_via == "base" else None)
     else:
@@ -38,6 +39,9 @@ def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | N
         step = zf.mixed_precision(step, **precision)
     if micro is not None and precision_outside:
         step = zf.accumulate(step, micro)
+    if offload is not None:
+        kw = dict(offload)
+        step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
     if stage == 1:
         step = zf.zero1(step)
     elif stage == 2:
@@ -265,7 +269,8 @@ def micro_batches(b, n: int) -> list:
 
 def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 4, seed: int = 0,
                  precision: dict | None = None, micro: int | None = None, clip: float | None = None,
-                 precision_outside: bool = False, units=None, sgd: bool = False, inject=None) -> dict:
+                 precision_outside: bool = False, units=None, sgd: bool = False, inject=None,
+                 offload: dict | None = None) -> dict:
     """``steps`` steps of ``zeroN([accumulate][mixed_precision](train_step))`` on this rank's
     part of each global batch (split into ``micro`` micro-batches); per-step metrics, the
     full parameters (the fp32 master under mixed precision) and memory accounting.
@@ -280,7 +285,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
 
     opt = zf.optim.sgd(LR * 10) if sgd else None
     step = compose(stage, loss_fn, units, 0, clip, precision=precision, micro=micro,
-                   precision_outside=precision_outside, opt=opt)
+                   precision_outside=precision_outside, opt=opt, offload=offload)
     state = step.init(model)
     history = []
     for i in range(steps):

@@ -10,6 +10,7 @@ from . import dist, optim, testing
 from .accumulate import accumulate
 from .grad import apply, grad, value_and_grad
 from .loss_scale import LossScaler
+from .offload import offload_cpu
 from .placement import Placement
 from .precision import mixed_precision
 from .state import State, gather_params, memory_report
@@ -20,6 +21,6 @@ from .zero import zero1, zero2, zero3
 
 __all__ = [
     "LossScaler", "Placement", "State", "Step", "Params", "accumulate", "apply", "dist", "eval_step",
-    "gather_params", "grad", "memory_report", "mixed_precision", "optim", "testing", "train_step", "units",
+    "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "optim", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

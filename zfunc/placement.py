@@ -23,7 +23,7 @@ A unit's life::
 | opt: replicated or sharded | zero1, zero2, zero3 shard |
 | param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
-| homes | device until offload lands |
+| param_home, grad_home, opt_home | device; offload_cpu sends gradients and the optimizer state to the CPU |
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ class Placement:
     frozen_dtype: torch.dtype | None = None
     grads: str = ALL_REDUCE
     reduce_dtype: torch.dtype | None = None
+    grad_home: str = DEVICE  # where a unit's gradient goes once reduced
     opt: str = REPLICATED
     opt_home: str = DEVICE
 
@@ -57,6 +58,7 @@ class Placement:
                                       ("opt", self.opt, (REPLICATED, SHARDED)),
                                       ("grads", self.grads, (ALL_REDUCE, REDUCE_SCATTER)),
                                       ("param_home", self.param_home, (DEVICE, CPU, NVME)),
+                                      ("grad_home", self.grad_home, (DEVICE, CPU, NVME)),
                                       ("opt_home", self.opt_home, (DEVICE, CPU, NVME))):
             if value not in allowed:
                 raise ValueError(f"Placement.{field} must be one of {allowed}, got {value!r}")
@@ -74,7 +76,8 @@ class Placement:
         return self.opt == SHARDED
 
     def describe(self) -> str:
-        return f"params {self.params} on {self.param_home}, grads {self.grads}, optimizer state {self.opt} on {self.opt_home}"
+        return (f"params {self.params} on {self.param_home}, grads {self.grads} to {self.grad_home}, "
+                f"optimizer state {self.opt} on {self.opt_home}")
 
 
 def gathers(place: Placement, group) -> bool:
@@ -100,7 +103,9 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
 
     The reduction runs in ``place.reduce_dtype`` (default: the gradient's own);
     the result comes in ``out_dtype`` (default: the reduce dtype), in a tensor
-    that exists from the start and is filled by ``wait()``.
+    that exists from the start and is filled by ``wait()``. It stays on the
+    gradient's device (autograd hands it on as the unit's gradient); the
+    update moves it to ``place.grad_home``.
     """
     reduce_dtype = place.reduce_dtype or grad_full.dtype
     out_dtype = out_dtype or reduce_dtype

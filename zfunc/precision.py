@@ -61,6 +61,13 @@ class MixedPrecision(Transform):
 
     def check(self, inner) -> None:
         check_inside_zero(self, inner, "zeroN(mixed_precision(f, dtype))")
+        for t in inner:
+            if t.family == "offload":
+                raise ValueError(
+                    f"mixed_precision must go inside {t.name}, which offloads what is inside it (the fp32 "
+                    f"master weights too): write zeroN({t.name}(mixed_precision(f, dtype))), not "
+                    f"mixed_precision({t.name}(...))"
+                )
 
     def place(self, p: Placement, unit) -> Placement:
         frozen = [e.name for e in unit.frozen.entries]

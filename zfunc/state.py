@@ -47,14 +47,36 @@ def _nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
 
 
-def memory_report(state: State) -> dict[str, int]:
-    """Bytes this rank holds for each part of the model state (DESIGN.md §3 memory)."""
+def memory_report(state: State) -> dict:
+    """Bytes this rank holds for each part of the model state (DESIGN.md §3 memory),
+    and, under ``"by_home"``, the same bytes split by where they live: ``"device"``
+    (accelerator memory; on a CPU-only machine, RAM), ``"pinned"`` (page-locked
+    host memory), ``"host"`` (other host memory, when an accelerator holds the rest)."""
+    by_home = {"device": 0, "pinned": 0, "host": 0}
+    accelerated = any(t.device.type != "cpu" for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+    for t in tree_leaves(state):
+        if isinstance(t, torch.Tensor):
+            home = "pinned" if t.is_pinned() else ("host" if accelerated and t.device.type == "cpu" else "device")
+            by_home[home] += t.numel() * t.element_size()
     return {
         "param_bytes": state.params.nbytes(),
         "optimizer_bytes": _nbytes(state.opt_state),
         "frozen_bytes": state.frozen.nbytes(),
         "buffer_bytes": _nbytes(state.buffers),
+        "by_home": by_home,
     }
+
+
+def master_params(state: State) -> Params:
+    """The trainable parameters in full precision: the fp32 master weights under
+    mixed precision (wherever offload keeps them), else the parameters."""
+    from .offload import HostState
+    from .precision import MixedPrecisionState
+
+    opt_state = state.opt_state
+    while isinstance(opt_state, HostState):
+        opt_state = opt_state.inner
+    return opt_state.master if isinstance(opt_state, MixedPrecisionState) else state.params
 
 
 def gather_params(state: State) -> dict[str, torch.Tensor]:
@@ -62,9 +84,7 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
 
     Under mixed precision these are the fp32 master weights (frozen parameters
     are their stored values, widened)."""
-    from .precision import MixedPrecisionState
-
-    trainable = state.opt_state.master if isinstance(state.opt_state, MixedPrecisionState) else state.params
+    trainable = master_params(state)
     out: dict[str, torch.Tensor] = {}
     for params in (trainable, state.frozen):
         spec = params.spec
