@@ -123,6 +123,13 @@ class Pending:
         self.keep = None
         return self.out
 
+    def cast(self, dtype: torch.dtype | None) -> "Pending":
+        """This one with its result in ``dtype`` (``None``: as it is), copied once it is ready."""
+        if dtype is None or dtype == self.out.dtype:
+            return self
+        out = torch.empty(self.out.shape, dtype=dtype, device=self.out.device)
+        return self.then(out.copy_, out)
+
     def then(self, fn, out: torch.Tensor | None = None) -> "Pending":
         """Waits for this one, then calls ``fn(result)``, which fills ``out`` (default: this one's)."""
         return Pending(self.out if out is None else out, finish=lambda: fn(self.wait()))
@@ -181,11 +188,7 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
 
         return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish)
     out = buffers.empty(shard_numel, full.dtype, full.device)
-    pending = Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full)
-    if out_dtype in (None, full.dtype):
-        return pending
-    cast = torch.empty(shard_numel, dtype=out_dtype, device=full.device)
-    return pending.then(cast.copy_, cast)
+    return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full).cast(out_dtype)
 
 
 def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:

@@ -3,8 +3,8 @@
 ``offload_cpu(step)`` moves what the update needs off the accelerator:
 
 * placement: the optimizer state's home is the CPU (``opt_home``), and so is
-  the gradients' (``grad_home``): each unit's gradient is copied to pinned
-  host memory as soon as its reduction is done, while backward goes on;
+  the gradients' (``grad_home``): the update copies them to host memory
+  (pinned where CUDA exists) before the inner optimizer reads them;
 * the update: the inner optimizer (with ``mixed_precision`` inside, its fp32
   master weights too) runs on the CPU over host tensors, so zfunc's fused CPU
   Adam does the work; the updated parameters (in their stored dtype) are
@@ -40,11 +40,6 @@ class HostState(NamedTuple):
     inner: Any
 
 
-def pin_memory_available() -> bool:
-    """Pinned host memory needs a CUDA driver; without one, plain host memory."""
-    return torch.cuda.is_available()
-
-
 def to_host(t, pin: bool):
     """``t`` in CPU memory (pinned if ``pin``): ``t`` itself if it is already there."""
     if not isinstance(t, torch.Tensor) or t.device.type == "cpu":
@@ -63,7 +58,7 @@ def host_optimizer(optimizer: Optimizer, pin: bool) -> Optimizer:
         return HostState(host, tree_map(lambda t: to_host(t, pin), inner))
 
     def update(grads, opt_state, params, **kw):
-        grads = tree_map(lambda g: to_host(g, pin), grads)  # a no-op for gradients already sent home
+        grads = tree_map(lambda g: to_host(g, pin), grads)  # a no-op for gradients on the CPU
         host = params if opt_state.params is None else opt_state.params
         if kw.get("lowp_params") is not None:
             kw["lowp_params"] = tree_map(lambda t: to_host(t, pin), kw["lowp_params"])
@@ -86,9 +81,6 @@ class Offload(Transform):
     def name(self) -> str:
         return "offload_cpu"
 
-    def describe(self, inner: str) -> str:
-        return f"offload_cpu({inner})"
-
     def check(self, inner) -> None:
         check_inside_zero(self, inner, "zeroN(offload_cpu(f))")
 
@@ -96,7 +88,8 @@ class Offload(Transform):
         return replace(p, opt_home=CPU, grad_home=CPU)
 
     def wrap_optimizer(self, optimizer):
-        return host_optimizer(optimizer, self.pin_memory and pin_memory_available())
+        # pinned host memory needs a CUDA driver; without one, plain host memory
+        return host_optimizer(optimizer, self.pin_memory and torch.cuda.is_available())
 
 
 def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:

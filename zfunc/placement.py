@@ -23,7 +23,7 @@ A unit's life::
 | opt: replicated or sharded | zero1, zero2, zero3 shard |
 | param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
-| param_home, grad_home, opt_home | device; offload_cpu sends gradients and the optimizer state to the CPU |
+| param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update |
 """
 from __future__ import annotations
 
@@ -104,8 +104,8 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
     The reduction runs in ``place.reduce_dtype`` (default: the gradient's own);
     the result comes in ``out_dtype`` (default: the reduce dtype), in a tensor
     that exists from the start and is filled by ``wait()``. It stays on the
-    gradient's device (autograd hands it on as the unit's gradient); the
-    update moves it to ``place.grad_home``.
+    gradient's device, since autograd hands it on as the unit's gradient;
+    offload's update moves it to ``place.grad_home``.
     """
     reduce_dtype = place.reduce_dtype or grad_full.dtype
     out_dtype = out_dtype or reduce_dtype
@@ -118,11 +118,7 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
         grad_full = wide
     if place.grads_sharded:
         return dist.reduce_scatter_mean_start(grad_full, group, scratch=True, out_dtype=out_dtype)
-    pending = dist.all_reduce_mean_start(grad_full, group)
-    if out_dtype == reduce_dtype:
-        return pending
-    out = torch.empty(pending.out.shape, dtype=out_dtype, device=pending.out.device)
-    return pending.then(out.copy_, out)
+    return dist.all_reduce_mean_start(grad_full, group).cast(out_dtype)
 
 
 def grad_is_shard(place: Placement, leaf_is_shard: bool) -> bool:
