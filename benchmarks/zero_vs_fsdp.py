@@ -64,6 +64,8 @@ MODES = {  # key -> description
     "ds3": "DeepSpeed ZeRO-3",
     "zero3_cpu": "zfunc zero3(offload_cpu(...))",
     "ds3_cpu": "DeepSpeed ZeRO-3, optimizer offloaded to CPU",
+    "zero3_nvme": "zfunc zero3(offload_nvme(...)): params, grads, optimizer state on disk",
+    "ds3_nvme": "DeepSpeed ZeRO-3, params and optimizer state on NVMe",
 }
 
 
@@ -78,7 +80,7 @@ def have_deepspeed():
     return importlib.util.find_spec("deepspeed") is not None
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default=None, help=f"comma-separated, from {','.join(MODES)} "
                    "(default: ddp,fsdp2,zero0,zero1,zero2,zero3, plus ds1,ds2,ds3 when deepspeed is installed)")
@@ -104,12 +106,14 @@ def parse_args():
                    help=f"relative loss difference flagged as a mismatch (default {FP32_TOLERANCE:g} in fp32, "
                    f"{BF16_TOLERANCE:g} in bf16)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before its processes are killed")
+    p.add_argument("--nvme-path", default=None, help="folder for the *_nvme modes' swap files (default: a temporary "
+                   "folder under $TMPDIR, on whatever disk holds it)")
     p.add_argument("--small", action="store_true", help="tiny model and few steps, for smoke testing")
     p.add_argument("--json", default=None, help="also write all raw results here")
     p.add_argument("--from-json", default=None, help="print the table of an earlier --json run and exit")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one mode on this rank
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.small:
         args.layers, args.width, args.heads, args.vocab, args.seq, args.steps, args.warmup = 2, 128, 4, 1024, 64, 5, 2
     if args.modes is None:
@@ -214,6 +218,8 @@ def build(mode, model, args, world):
             step = zf.mixed_precision(step, torch.bfloat16)  # reduce_dtype: fp32 by default
         if offload == "cpu":
             step = zf.offload_cpu(step)
+        if offload == "nvme":
+            step = zf.offload_nvme(step, args.nvme_path)
         step = shard(step)
         state = step.init(model)
 
@@ -234,6 +240,11 @@ def build(mode, model, args, world):
         if mode.endswith("_cpu"):  # torch AdamW on the offloaded state (DeepSpeedCPUAdam would need its op JIT-built)
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
             config["zero_force_ds_cpu_optimizer"] = False
+        if mode.endswith("_nvme"):  # ZeRO-Infinity with its defaults (buffer_count 5 x buffer_size 1e8, aio)
+            nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": False}
+            config["zero_optimization"]["offload_param"] = dict(nvme)
+            config["zero_optimization"]["offload_optimizer"] = dict(nvme)
+            config["zero_force_ds_cpu_optimizer"] = False
         if bf16:  # bf16 parameters, fp32 master weights; DeepSpeed's default reduces gradients in bf16
             config["bf16"] = {"enabled": True}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -245,6 +256,13 @@ def build(mode, model, args, world):
             return loss.detach()
         return train, False
     raise ValueError(mode)
+
+
+def disk_io_bytes():
+    """(read, written) bytes this process (all its threads) has moved to and from storage."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 def current_rss_bytes():
@@ -283,13 +301,15 @@ def worker(args):
         tokens = torch.cat([torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g) for g in gens])
         batches.append((tokens[:, :-1], tokens[:, 1:]))
 
-    times, losses, gathered = [], [], []
+    times, losses, gathered, io = [], [], [], []
     gathers.take()  # setup's gathers (FSDP2's init, zfunc's step.init) are not a step's
     for x, y in batches:
+        io0 = disk_io_bytes()
         t0 = time.perf_counter()
         losses.append(train(x, y).item())
         times.append(time.perf_counter() - t0)
         gathered.append(gathers.take())
+        io.append([b - a for a, b in zip(io0, disk_io_bytes())])
 
     losses = torch.tensor(losses, dtype=torch.float64)
     if not loss_is_global:
@@ -298,6 +318,8 @@ def worker(args):
     result = dict(mode=mode, rank=rank, world=world, params=n_params, step_s=times[args.warmup:],
                   median_step_s=statistics.median(times[args.warmup:]), losses=losses.tolist(),
                   all_gather_bytes=gathered, median_all_gather_bytes=statistics.median(gathered[args.warmup:]),
+                  median_read_bytes=statistics.median(r for r, _ in io[args.warmup:]),
+                  median_write_bytes=statistics.median(w for _, w in io[args.warmup:]),
                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, baseline_rss_bytes=baseline_rss)
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -317,7 +339,7 @@ def run_mode(mode, args, tmp, repeat):
     argv = [os.path.abspath(__file__), "--worker", mode, "--result", result] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
         ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch", "world", "lr", "wd", "torch_adam", "seed",
-          "precision")]
+          "precision", "nvme_path")]
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if mode.startswith("ds"):
         env["DS_ACCELERATOR"] = "cpu"
@@ -333,7 +355,9 @@ def run_mode(mode, args, tmp, repeat):
     out = dict(mode=mode, repeat=repeat, params=ranks[0]["params"], median_step_s=ranks[0]["median_step_s"],
                peak_rss_bytes=max(r["peak_rss_bytes"] for r in ranks),
                peak_above_baseline_bytes=max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
-               final_loss=ranks[0]["losses"][-1], all_gather_bytes=ranks[0]["median_all_gather_bytes"], ranks=ranks)
+               final_loss=ranks[0]["losses"][-1], all_gather_bytes=ranks[0]["median_all_gather_bytes"],
+               read_bytes=max(r["median_read_bytes"] for r in ranks), write_bytes=max(r["median_write_bytes"] for r in ranks),
+               ranks=ranks)
     print(f"[{mode}] repeat {repeat}: {out['median_step_s']:.3f} s/step, {out['peak_rss_bytes'] / 1e9:.2f} GB peak RSS, "
           f"{out['all_gather_bytes'] / 1e6:.2f} MB all-gathered/step, "
           f"loss {out['final_loss']:.6f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -401,6 +425,8 @@ def main(args):
     else:
         results = {m: [] for m in args.modes}
         with tempfile.TemporaryDirectory(prefix="zero_vs_fsdp.") as tmp:
+            if args.nvme_path is None:
+                args.nvme_path = os.path.join(tmp, "swap")
             for repeat in range(args.repeats):
                 for mode in args.modes:
                     out = run_mode(mode, args, tmp, repeat)

@@ -24,7 +24,8 @@ def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | N
     ``zero3(units=)``, ``train_step(units=)``, or ``zf.units`` inside or outside the stage.
     ``precision``: ``zf.mixed_precision``'s keywords; ``micro``: ``zf.accumulate``'s n,
     inside ``mixed_precision`` unless ``precision_outside`` is False (then outside);
-    ``offload``: ``{"kind": "cpu" | "nvme", **keywords}``, outside both, inside the stage."""
+    ``offload``: ``{"kind": "cpu" | "nvme", **keywords}``, outside both, inside the stage
+    (``"under_accumulate": True``: inside ``accumulate``, which then goes outside precision)."""
     if evaluate:
         base = zf.eval_step(loss_fn, units=units if units_via == "base" else None)
     else:
@@ -33,14 +34,17 @@ def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | N
             opt = zf.optim.chain(zf.optim.clip_by_global_norm(clip), opt)
         base = zf.train_step(loss_fn, opt, units=units if units_via == "base" else None)
     step = zf.units(base, units) if units_via == "inner" else base
-    if micro is not None and not precision_outside:
+    kw = dict(offload or {})
+    under_accumulate = kw.pop("under_accumulate", False)  # accumulate(offload_*(...)) instead
+    if micro is not None and not precision_outside and not under_accumulate:
         step = zf.accumulate(step, micro)
     if precision is not None:
         step = zf.mixed_precision(step, **precision)
-    if micro is not None and precision_outside:
+    if offload is not None and under_accumulate:
+        step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
+    if micro is not None and (precision_outside or under_accumulate):
         step = zf.accumulate(step, micro)
-    if offload is not None:
-        kw = dict(offload)
+    if offload is not None and not under_accumulate:
         step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
     if stage == 1:
         step = zf.zero1(step)
@@ -291,19 +295,20 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     for i in range(steps):
         flags.fill_(float(inject is not None and rank in inject[i]))
         b = local(batch(name, shape_model, i, per_rank * world, seed), rank, world)
-        before = [t.clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
+        before = [zf.swap.load(t).clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
         state, metrics = step(state, micro_batches(b, micro) if micro else b)
-        after = zf.pytree.tree_leaves((state.params, state.opt_state))
+        after = [zf.swap.load(t) for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
         history.append({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
                        | {"unchanged": all(torch.equal(x, y) for x, y in zip(before, after))})
-    return {
-        "params": zf.gather_params(state),
-        "dtypes": sorted({str(t.dtype) for t in state.params.leaves}),
-        "memory": zf.memory_report(state),
-        "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],
-        "history": history,
-        "composition": step.composition,
-    }
+    with state:  # removes swap files (offload_nvme) when done
+        return {
+            "params": zf.gather_params(state),
+            "dtypes": sorted({str(t.dtype) for t in state.params.leaves}),
+            "memory": zf.memory_report(state),
+            "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],
+            "history": history,
+            "composition": step.composition,
+        }
 
 
 class _InfInGrad(torch.autograd.Function):

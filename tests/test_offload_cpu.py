@@ -77,7 +77,8 @@ def test_memory_report_splits_bytes_by_home():
                           False, None, False, None, CPU)
     mem = r["memory"]
     by_home = mem["by_home"]
-    assert set(by_home) == {"device", "pinned", "host"}
+    assert set(by_home) == {"device", "pinned", "host", "disk"}
+    assert by_home["disk"] == 0 and mem["swap_buffer_bytes"] == 0
     model_state = mem["param_bytes"] + mem["optimizer_bytes"] + mem["frozen_bytes"] + mem["buffer_bytes"]
     assert sum(by_home.values()) >= model_state  # plus the step counters
     if not torch.cuda.is_available():

@@ -6,11 +6,12 @@
 
 This file is the map of the library: everything public is imported here.
 """
-from . import dist, optim, testing
+from . import dist, optim, swap, testing
 from .accumulate import accumulate
 from .grad import apply, grad, value_and_grad
 from .loss_scale import LossScaler
 from .offload import offload_cpu
+from .offload_nvme import offload_nvme
 from .placement import Placement
 from .precision import mixed_precision
 from .state import State, gather_params, memory_report
@@ -21,6 +22,6 @@ from .zero import zero1, zero2, zero3
 
 __all__ = [
     "LossScaler", "Placement", "State", "Step", "Params", "accumulate", "apply", "dist", "eval_step",
-    "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "optim", "testing", "train_step", "units",
+    "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

@@ -43,7 +43,7 @@ class GradSink:
             padded = self.spec.segment(unit.index).padded
             w = dist.world_size(unit.group)
             n = layout.shard_numel(padded, w) if self.spec.sharded[unit.index] else padded
-            acc = self.acc[unit.index] = torch.zeros(n, dtype=torch.float32, device=unit.leaf.device)
+            acc = self.acc[unit.index] = torch.zeros(n, dtype=torch.float32, device=unit.device)
         return acc
 
     def take(self, unit, grad_full: torch.Tensor) -> None:
@@ -107,6 +107,7 @@ class Accumulate(Transform):
                 peak = max(peak, out.peak)
             return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n)
 
+        run.accumulates = True  # it hands every micro-batch its own sink (zfunc.offload_nvme looks)
         return run
 
 

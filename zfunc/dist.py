@@ -135,13 +135,13 @@ class Pending:
         return Pending(self.out if out is None else out, finish=lambda: fn(self.wait()))
 
 
-def all_gather_start(shard: torch.Tensor, group=None) -> Pending:
-    """Start concatenating every rank's equally sized 1-D ``shard`` into one new tensor."""
+def all_gather_start(shard: torch.Tensor, group=None, out: torch.Tensor | None = None) -> Pending:
+    """Start concatenating every rank's equally sized 1-D ``shard`` into one new tensor (or ``out``)."""
     w = world_size(group)
     if w == 1:
         return Pending(shard)
     shard = shard.contiguous()
-    out = buffers.take(shard.numel() * w, shard.dtype, shard.device)
+    out = buffers.take(shard.numel() * w, shard.dtype, shard.device) if out is None else out
     return Pending(out, dist.all_gather_single(out, shard, group=group, async_op=True), keep=shard)
 
 

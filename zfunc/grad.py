@@ -216,7 +216,7 @@ def _call(loss_fn, params, batch):
 def grad_spec(spec: ParamsSpec) -> ParamsSpec:
     """The spec of gradients of ``spec``'s parameters in their home form (which leaves are shards)."""
     sharded = tuple(grad_is_shard(p, s) for s, p in zip(spec.sharded, spec.placements))
-    return ParamsSpec(spec.model, spec.placements, sharded, spec.frozen, spec.group)
+    return ParamsSpec(spec.model, spec.placements, sharded, spec.frozen, spec.group, spec.swap)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import buffers, dist, layout, placement
+from . import buffers, dist, layout, placement, swap
 from .placement import Placement, grad_is_shard
 from .tree import Params
 
@@ -36,9 +36,10 @@ class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
     __slots__ = ("index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers", "tracker",
-                 "uses", "pending", "full", "full_numel")
+                 "uses", "pending", "full", "full_numel", "device", "store", "stored")
 
-    def __init__(self, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None):
+    def __init__(self, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None, store=None,
+                 stored=None):
         self.index = index
         self.leaf = leaf
         self.ready = ready  # returns once the leaf's values are complete (Params.leaf_when_ready)
@@ -46,25 +47,38 @@ class _Unit:
         self.place = place
         self.segment = segment
         self.group = group
-        self.gathers = placement.gathers(place, group)  # materializing makes a new buffer
+        # a leaf in a swap file (zfunc.swap): its placeholder and store; it is read into a pool buffer
+        self.store, self.stored = store, stored
+        # materializing makes a new buffer (gathered, or read in from disk)
+        self.gathers = placement.gathers(place, group) or stored is not None
         self.tracker = tracker
         self.uses = 0  # Materialize calls in this forward
         self.pending: dist.Pending | None = None  # a prefetched materialization
         self.full: torch.Tensor | None = None  # the full buffer of the latest Materialize
-        self.full_numel = leaf.numel() * (dist.world_size(group) if self.gathers else 1)
+        self.full_numel = leaf.numel() * (dist.world_size(group) if placement.gathers(place, group) else 1)
+        self.device = torch.device("cpu") if leaf.is_meta else leaf.device  # where compute sees the unit
+
+    def _start(self) -> dist.Pending:
+        source = self.leaf if self.stored is None else self.stored
+        return placement.materialize_start(self.place, source, self.group, self.ready, self.store)
 
     def prefetch(self) -> None:
         if self.gathers and self.pending is None:
-            self.pending = placement.materialize_start(self.place, self.leaf, self.group, self.ready)
+            self.pending = self._start()
             self.tracker.allocated(self.pending.out)
 
     def gather(self) -> torch.Tensor:
         """The full flat buffer: the prefetched one if any, else materialized now."""
         self.prefetch()
         if self.pending is None:
-            return placement.materialize_start(self.place, self.leaf, self.group, self.ready).wait()
+            return self._start().wait()
         pending, self.pending = self.pending, None
         return pending.wait()
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Hand back a buffer materializing made: to the swap pool if it came from there."""
+        if self.store is None or not self.store.give(buf):
+            buffers.give(buf)
 
     def grad_dtype(self) -> torch.dtype:
         """The full gradient's dtype: the reduction's, unless nothing is reduced (W = 1)."""
@@ -113,7 +127,7 @@ class Materialize(torch.autograd.Function):
     def backward(ctx, *grads):
         unit: _Unit = ctx.unit
         unit.tracker.release_backward(unit)
-        flat = buffers.take(unit.full_numel, unit.grad_dtype(), unit.leaf.device)
+        flat = buffers.take(unit.full_numel, unit.grad_dtype(), unit.device)
         offset = 0
         for entry, g in zip(unit.segment.entries, grads):
             dst = flat[offset : offset + entry.numel]
@@ -141,6 +155,7 @@ class Tracker:
 
     def __init__(self):
         self.live: dict[int, _Unit] = {}  # storage ptr of a gathered buffer -> its unit
+        self.starts: dict[_Unit, int] = {}  # unit -> where its latest buffer starts in its storage
         self.backward_cache: dict[_Unit, torch.Tensor] = {}  # unit -> buffer for backward
         self.backward_started: set[_Unit] = set()  # units backward has asked for
         self.order: list[_Unit] = []  # gathering units in the order forward first used them
@@ -161,16 +176,17 @@ class Tracker:
     def gathered(self, unit: _Unit, buf: torch.Tensor) -> None:
         if unit.gathers:
             self.live[buf.untyped_storage().data_ptr()] = unit
+            self.starts[unit] = buf.storage_offset()
             if unit not in self.order:
                 self.order.append(unit)
 
-    def _give_back(self, buf: torch.Tensor) -> None:
+    def _give_back(self, unit: _Unit, buf: torch.Tensor) -> None:
         self.freed(buf)
-        buffers.give(buf)
+        unit.give(buf)
 
     def released(self, unit: _Unit, buf: torch.Tensor) -> None:
         if self.live.pop(buf.untyped_storage().data_ptr(), None) is not None:
-            self._give_back(buf)
+            self._give_back(unit, buf)
 
     def keep_for_backward(self, unit: _Unit, buf: torch.Tensor) -> None:
         """Forward is done with ``buf`` but backward will want it: keep it instead of re-gathering
@@ -178,7 +194,7 @@ class Tracker:
         if self.live.pop(buf.untyped_storage().data_ptr(), None) is None:
             return
         if unit in self.backward_cache:
-            self._give_back(buf)
+            self._give_back(unit, buf)
         else:
             self.backward_cache[unit] = buf
 
@@ -186,7 +202,7 @@ class Tracker:
         """Backward will not get ``unit``'s kept buffer after all: give it back."""
         buf = self.backward_cache.pop(unit, None)
         if buf is not None:
-            self._give_back(buf)
+            self._give_back(unit, buf)
 
     def pack(self, t: torch.Tensor):
         if not self.live or t.layout != torch.strided:
@@ -198,12 +214,15 @@ class Tracker:
         unit = self.live.get(ptr)
         if unit is None:
             return t
-        return _SavedView(unit, t.size(), t.stride(), t.storage_offset())
+        # the offset within the unit's buffer: a re-materialized one may start elsewhere in its
+        # storage (a swap pool buffer is aligned inside a larger allocation)
+        return _SavedView(unit, t.size(), t.stride(), t.storage_offset() - self.starts[unit])
 
     def unpack(self, saved):
         if not isinstance(saved, _SavedView):
             return saved
-        return self._backward_buffer(saved.unit).as_strided(saved.size, saved.stride, saved.offset)
+        buf = self._backward_buffer(saved.unit)
+        return buf.as_strided(saved.size, saved.stride, buf.storage_offset() + saved.offset)
 
     def resolve(self, name: str) -> torch.Tensor:
         """A parameter read during backward (an activation checkpoint recomputing its
@@ -237,7 +256,7 @@ class Tracker:
         if buf is not None:
             self.freed(buf)
             if unit.gathers:
-                buffers.give(buf)
+                unit.give(buf)
 
     def reducing(self, pending: dist.Pending) -> None:
         """Track a reduction in flight; at most two, so gradients do not pile up."""
@@ -259,11 +278,11 @@ class Tracker:
         self.finish()
         for unit in self.units:
             if unit.pending is not None:
-                buffers.give(unit.pending.wait())
+                unit.give(unit.pending.wait())
                 unit.pending = None
         for unit, buf in self.backward_cache.items():
             if unit.gathers:
-                buffers.give(buf)
+                unit.give(buf)
         self.backward_cache.clear()
         self.live.clear()
         self.current = 0
@@ -282,9 +301,11 @@ class Units:
         self.tracker = tracker
         group = spec.process_group
         w = dist.world_size(group)
+        store = swap.store_of(spec.swap)
         self.units = []
         for i, (sharded, place) in enumerate(zip(spec.sharded, spec.placements)):
             leaf, ready = params.leaf_when_ready(i)
+            stored = leaf if swap.on_disk(leaf) else None
             leaf = leaf.detach()
             anchor = None
             if differentiable and grad_is_shard(place, sharded) and not sharded and w > 1:
@@ -294,7 +315,8 @@ class Units:
                 anchor.requires_grad_()
             elif differentiable:
                 leaf.requires_grad_()
-            self.units.append(_Unit(i, leaf, ready, place, spec.segment(i), group, tracker, anchor))
+            self.units.append(_Unit(i, leaf, ready, place, spec.segment(i), group, tracker, anchor,
+                                    store if stored is not None else None, stored))
             for entry in spec.segment(i).entries:
                 tracker.by_name[entry.name] = self.units[-1]
         self.anchors = [u.anchor for u in self.units]

@@ -81,16 +81,32 @@ class Placement:
 
 
 def gathers(place: Placement, group) -> bool:
-    """Whether materializing makes a new buffer (a sharded leaf with W > 1)."""
+    """Whether materializing all-gathers (a sharded leaf with W > 1)."""
     return place.params_sharded and dist.world_size(group) > 1
 
 
-def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callable[[], None]) -> dist.Pending:
+def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callable[[], None], store=None
+                      ) -> dist.Pending:
     """Start turning the stored ``leaf`` into the full flat buffer.
 
     ``ready`` returns once the leaf's own values are complete (an update's
-    all-gather may still be filling a replicated leaf).
+    all-gather may still be filling a replicated leaf). A leaf on NVMe is read
+    in first by ``read_in`` (into a buffer of the store's pool, which the
+    all-gather, if any, gives back as soon as it is done): ``leaf`` is then
+    its placeholder and ``store`` the ``zfunc.swap.SwapStore`` holding it.
     """
+    if place.param_home == NVME:
+        read = store.read_start(leaf)
+        if not gathers(place, group):
+            return read
+        w = dist.world_size(group)
+        full = buffers.take(leaf.numel() * w, leaf.dtype, read.out.device)
+
+        def gather(shard):
+            dist.all_gather_start(shard, group, out=full).wait()
+            store.give(shard)
+
+        return read.then(gather, full)
     if gathers(place, group):
         return dist.all_gather_start(leaf.detach(), group)
     ready()

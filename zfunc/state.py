@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, swap
 from .pytree import register_node, tree_leaves
 from .tree import Params
 
@@ -32,6 +32,21 @@ class State:
     plan: Any = None
     loss_scale: Any = None
 
+    def close(self) -> None:
+        """Remove the swap files this state owns (``offload_nvme``); a no-op for other states.
+
+        The state, and every state a step returned from it, is unusable afterwards.
+        """
+        store = swap._open.get(self.params.spec.swap) if self.params.spec.swap else None
+        if store is not None:
+            store.close()
+
+    def __enter__(self) -> "State":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _flatten(s: State):
     # no loss scaler: no child at all (torch's pytree would count a None as a leaf)
@@ -51,19 +66,28 @@ def memory_report(state: State) -> dict:
     """Bytes this rank holds for each part of the model state (DESIGN.md §3 memory),
     and, under ``"by_home"``, the same bytes split by where they live: ``"device"``
     (accelerator memory; on a CPU-only machine, RAM), ``"pinned"`` (page-locked
-    host memory), ``"host"`` (other host memory, when an accelerator holds the rest)."""
-    by_home = {"device": 0, "pinned": 0, "host": 0}
-    accelerated = any(t.device.type != "cpu" for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+    host memory), ``"host"`` (other host memory, when an accelerator holds the rest),
+    ``"disk"`` (swap files of ``offload_nvme``)."""
+    by_home = {"device": 0, "pinned": 0, "host": 0, "disk": 0}
+    accelerated = any(t.device.type not in ("cpu", "meta") for t in tree_leaves(state) if isinstance(t, torch.Tensor))
     for t in tree_leaves(state):
         if isinstance(t, torch.Tensor):
-            home = "pinned" if t.is_pinned() else ("host" if accelerated and t.device.type == "cpu" else "device")
+            if swap.on_disk(t):
+                home = "disk"
+            elif t.is_pinned():
+                home = "pinned"
+            else:
+                home = "host" if accelerated and t.device.type == "cpu" else "device"
             by_home[home] += t.numel() * t.element_size()
+    store = swap._open.get(state.params.spec.swap) if state.params.spec.swap else None
     return {
         "param_bytes": state.params.nbytes(),
         "optimizer_bytes": _nbytes(state.opt_state),
         "frozen_bytes": state.frozen.nbytes(),
         "buffer_bytes": _nbytes(state.buffers),
         "by_home": by_home,
+        # offload_nvme: RAM its store keeps between steps (the read pool, the update's staging sets)
+        "swap_buffer_bytes": 0 if store is None else store.resident_bytes(),
     }
 
 
@@ -71,10 +95,11 @@ def master_params(state: State) -> Params:
     """The trainable parameters in full precision: the fp32 master weights under
     mixed precision (wherever offload keeps them), else the parameters."""
     from .offload import HostState
+    from .offload_nvme import SwapState
     from .precision import MixedPrecisionState
 
     opt_state = state.opt_state
-    while isinstance(opt_state, HostState):
+    while isinstance(opt_state, (HostState, SwapState)):
         opt_state = opt_state.inner
     return opt_state.master if isinstance(opt_state, MixedPrecisionState) else state.params
 
@@ -84,12 +109,14 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
 
     Under mixed precision these are the fp32 master weights (frozen parameters
     are their stored values, widened)."""
+    swap.check_state(state)
     trainable = master_params(state)
     out: dict[str, torch.Tensor] = {}
     for params in (trainable, state.frozen):
         spec = params.spec
         for i, (leaf, sharded) in enumerate(zip(params.leaves, spec.sharded)):
-            full = dist.all_gather(leaf.detach(), spec.process_group) if sharded else leaf.detach()
+            leaf = swap.load(leaf).detach()  # read in if it lives in a swap file
+            full = dist.all_gather(leaf, spec.process_group) if sharded else leaf
             for name, t in spec.segment(i).unflatten(full).items():
                 out[name] = t.to(device="cpu", dtype=torch.float32, copy=True)
     order = [n for n, _ in spec.model.owner if spec.model.canonical_name(n) == n]

@@ -32,11 +32,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import dist, layout, lazy
+from . import dist, layout, lazy, swap
+from .buffers import trim as trim_heap
 from .grad import forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .optim import GradInfo, apply_update
-from .placement import Placement
+from .placement import NVME, Placement
 from .state import State
 from .transform import Transform
 from .tree import Params, ParamsSpec, build_spec
@@ -120,9 +121,12 @@ class Step:
         """What the state's layout depends on: the transforms that shape it, and W."""
         return Plan(self._describe(tuple(t for t in self.transforms if t.shapes_state)), dist.world_size(self.group))
 
-    def _update_part(self):
+    def _update_part(self, below: Transform | None = None):
+        """The optimizer wrapped by the transforms (only those inside ``below``, if given)."""
         opt = self.optimizer
         for t in reversed(self.transforms):
+            if t is below:
+                break
             opt = t.wrap_optimizer(opt)
         return opt
 
@@ -154,14 +158,22 @@ class Step:
         spec = build_spec(model, self.units, w)
         places = tuple(self.placement(u) for u in spec.units)
         device = dist.device_of(group) if device is None else torch.device(device)
+        offload = self._transform("offload")
+        # offload_nvme: the state's swap folder; each unit's shard is staged to disk as it is made
+        store = offload.open_store(self, spec, places, group) if hasattr(offload, "open_store") else None
         trainable, frozen = [], []
         for i, *flats in unit_buffers(model, spec, device, init_fn):
             for flat, out in zip(flats, (trainable, frozen)):
                 dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
-                out.append(layout.shard(flat, r, w).clone() if places[i].params_sharded else flat)
+                leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
+                if out is trainable and store is not None and places[i].param_home == NVME and leaf.numel():
+                    start = r * leaf.numel() if places[i].params_sharded else 0
+                    leaf = store.stage(i, spec.units[i].name, leaf, places[i].param_dtype or leaf.dtype, start)
+                out.append(leaf)
         sharded = tuple(p.params_sharded for p in places)
         key = dist.group_key(group)
-        params = Params(ParamsSpec(spec, places, sharded, False, key), trainable)
+        swap_key = None if store is None else store.key
+        params = Params(ParamsSpec(spec, places, sharded, False, key, swap_key), trainable)
         frozen_params = Params(ParamsSpec(spec, places, sharded, True, key), frozen)
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         for b in buffers.values():
@@ -169,6 +181,9 @@ class Step:
         # the optimizer (mixed precision: its fp32 master) starts from the model's own values,
         # then the parameters take the dtype their placement stores them in
         opt_state = self._update_part().init(params) if self.optimizer is not None else None
+        if store is not None:
+            store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
+            trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
         params = _cast(params, [p.param_dtype for p in places])
         frozen_params = _cast(frozen_params, [p.frozen_dtype for p in places])
         precision = self._transform("precision")
@@ -185,6 +200,7 @@ class Step:
     def _check(self, state: State) -> None:
         if not isinstance(state, State):
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
+        swap.check_state(state)
         if getattr(state, "_donated", False):
             raise ValueError(
                 "this state was donated to a step, which updated its parameters and optimizer state in "
@@ -208,6 +224,7 @@ class Step:
         buffers = self._buffers(state)
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
+        io_before = swap.io_counts(state)
         loss, aux, grads, peak, grad_scale = self._grad_part()(state.params, batch, frozen=state.frozen,
                                                                buffers=buffers, scale=scale)
         agreed = _agree(loss, grads, self.group)
@@ -236,6 +253,10 @@ class Step:
         info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm)
         params, opt_state = apply_update(self._update_part(), grads, state.opt_state, state.params, info=info)
         object.__setattr__(state, "_donated", True)
+        if io_before is not None:  # offload_nvme: this step's disk traffic
+            trim_heap()  # the step's per-unit temporaries, as after init
+            after = swap.io_counts(state)
+            metrics["nvme"] = {k: after[k] - io_before[k] if k.startswith("bytes") else after[k] for k in after}
         return State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
 
 
@@ -269,7 +290,8 @@ def _agree(loss: torch.Tensor, grads: Params, group) -> _Agreed:
         if g is None or g.numel() == 0:
             bad.append(0.0)
             continue
-        sq_g, finite = cpu_adam.nonfinite_and_sq_norm([g])
+        # a gradient in a swap file was measured when it was written (zfunc.offload_nvme)
+        sq_g, finite = swap.grad_stats(g) if swap.on_disk(g) else cpu_adam.nonfinite_and_sq_norm([g])
         bad.append(float(not finite))
         if shard:
             sq[0] += sq_g

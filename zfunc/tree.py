@@ -232,6 +232,7 @@ class ParamsSpec:
     sharded: tuple[bool, ...]
     frozen: bool  # the frozen segments rather than the trainable ones
     group: tuple[int, ...] | None = None
+    swap: str | None = None  # the swap store (zfunc.swap) holding leaves on disk, by its key
 
     def segment(self, unit: int) -> Segment:
         u = self.model.units[unit]

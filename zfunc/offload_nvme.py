@@ -1,0 +1,466 @@
+"""NVMe offload as a step transform: parameters, gradients and optimizer state in swap files
+(ZeRO-Infinity).
+
+``offload_nvme(step, path)`` keeps, per unit, this rank's parameter shard, its
+gradient and every optimizer-state tensor (fp32 master, Adam's moments) in
+swap files under ``path/rank{r}/`` (zfunc.swap); RAM holds a fixed pool of
+buffers plus the units in use, whatever the model's size.
+
+* init: each unit's shard is staged to disk as it is made; the optimizer state
+  is then built one unit at a time and written out, so init never holds more
+  than a unit either.
+* forward and backward: a unit is read into a pool buffer just before it is
+  materialized (the next unit's read is issued while the current one runs),
+  all-gathered if sharded, and its buffer returned after use; backward
+  re-reads it. Its gradient, once reduced, is written to its swap file at
+  once (``GradToDisk``), with its squared norm and inf/NaN check taken while
+  it is in memory, so the step's one agreement on the norm reads nothing back.
+* update: units are streamed in sub-groups of at most ``sub_group_size``
+  elements (a larger unit is a sub-group of its own): the next sub-group's
+  master, moments and gradient are read while the current one is updated by
+  the inner optimizer (the fused CPU Adam), and the one before is written
+  back. The optimizer sees one sub-group at a time, other units stand in as
+  empty tensors with no gradient; its step count advances once per step.
+  Clipping folds into the step's ``GradInfo``, so it still sees the global norm.
+
+Write it inside the ZeRO stage and outside ``mixed_precision``:
+``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
+(or no stage at all): zero1/2 keep full parameters on every rank. Under
+``accumulate`` the fp32 gradient accumulators stay in RAM.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import optree
+import torch
+
+from . import dist, layout, placement, swap
+from .buffers import trim as trim_heap
+from .grad import grad_spec
+from .ops import cpu_adam
+from .optim import GradInfo, Optimizer, apply_update, fusing
+from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
+from .pytree import NAMESPACE, register_node
+from .step import Step
+from .transform import Transform, check_inside_zero
+from .tree import Params
+
+
+class SwapState:
+    """The optimizer state under NVMe offload: the inner state, whose per-unit tensors are
+    placeholders of swap files, and the store that owns the files (static data)."""
+
+    __slots__ = ("store", "inner")
+
+    def __init__(self, store: swap.SwapStore, inner: Any):
+        self.store, self.inner = store, inner
+
+    def __repr__(self) -> str:
+        return f"SwapState({self.store.dir!r}, {self.inner!r})"
+
+
+register_node(SwapState, lambda s: ((s.inner,), s.store), lambda store, children: SwapState(store, children[0]))
+
+_KINDS = {"mu": "exp_avg", "nu": "exp_avg_sq", "master": "master", "momentum": "momentum"}
+
+
+def _is_params(x) -> bool:
+    return isinstance(x, Params)
+
+
+def _flatten(tree):
+    """``(nodes, treedef)``: the leaves of ``tree`` with each ``Params`` node kept whole."""
+    return optree.tree_flatten(tree, is_leaf=_is_params, namespace=NAMESPACE)
+
+
+def _kinds(tree) -> dict[int, str]:
+    """For each Params node of an optimizer state (by position), a file-name kind."""
+    accessors, _, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_params, namespace=NAMESPACE)
+    nodes = _flatten(tree)[0]
+    out, seen = {}, set()
+    for k, (acc, node) in enumerate(zip(accessors, nodes)):
+        if not isinstance(node, Params):
+            continue
+        names = [n for n in (getattr(e, "field", e.entry) for e in acc) if isinstance(n, str)]
+        kind = _KINDS.get(names[-1], names[-1]) if names else f"state{k}"
+        if kind in seen:
+            kind = f"{kind}{k}"
+        seen.add(kind)
+        out[k] = kind
+    return out
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """What a unit outside the sub-group looks like to the optimizer: no elements."""
+    return torch.empty(0, dtype=like.dtype)
+
+
+def _has_master(state) -> bool:
+    """Whether the inner state keeps fp32 master weights (then parameters are only written)."""
+    from .precision import MixedPrecisionState
+
+    return any(isinstance(n, MixedPrecisionState)
+               for n in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, (MixedPrecisionState, Params)),
+                                           namespace=NAMESPACE))
+
+
+def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[int]]:
+    """Consecutive units in groups of at most ``limit`` elements (a larger unit alone)."""
+    groups, current, n = [], [], 0
+    for i in units:
+        if current and n + sizes[i] > limit:
+            groups.append(current)
+            current, n = [], 0
+        current.append(i)
+        n += sizes[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
+# ---------------------------------------------------------------- the update
+
+
+def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
+    """``optimizer`` over state held in swap files, run one sub-group of units at a time."""
+
+    def init(params: Params):
+        store = swap.store_of(params.spec.swap)
+        leaves = params.leaves
+        merged, specs, treedef, kinds = None, None, None, None  # leaves per node, gathered unit by unit
+        t = None
+        for i, leaf in enumerate(leaves):
+            staged = store.take_staged(leaf) if swap.on_disk(leaf) else None
+            values = leaf if staged is None else staged
+            one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
+            nodes, treedef = _flatten(optimizer.init(one))
+            if merged is None:
+                merged = [list(n.leaves) if isinstance(n, Params) else n for n in nodes]
+                specs = [n.spec if isinstance(n, Params) else None for n in nodes]
+                kinds = _kinds(treedef.unflatten(nodes))
+            for k, node in enumerate(nodes):
+                if not isinstance(node, Params):
+                    continue
+                t = node.leaves[i]
+                if store.to_disk_opt and t.dim() == 1 and t.numel():
+                    placeholder = store.create(i, params.spec.model.units[i].name, kinds[k], t.numel(), t.dtype,
+                                               store.offsets[i])
+                    store.write_now(t, placeholder)
+                    t = placeholder
+                merged[k][i] = t
+            if staged is not None:
+                store.write_now(staged.to(leaf.dtype), leaf)
+            del one, nodes, values, staged, t
+            trim_heap()  # this unit's temporaries go back to the OS before the next unit's
+        nodes = [Params(spec, merged[k]) if spec is not None else merged[k] for k, spec in enumerate(specs)]
+        return SwapState(store, treedef.unflatten(nodes))
+
+    def update(grads: Params, opt_state: SwapState, params: Params, *, info: GradInfo | None = None,
+               lowp_params=None):
+        if lowp_params is not None:
+            raise ValueError("offload_nvme goes outside mixed_precision: zeroN(offload_nvme(mixed_precision(f)))")
+        return _Update(optimizer, grads, opt_state, params, info, sub_group_size).run()
+
+    return Optimizer(init, fusing(update))
+
+
+class _Update:
+    """One streamed update: sub-group k computes while k+1 is read and k-1 written."""
+
+    SLOTS = 3
+
+    def __init__(self, optimizer, grads: Params, opt_state: SwapState, params: Params, info, sub_group_size: int):
+        self.optimizer, self.info = optimizer, info
+        self.store = opt_state.store
+        self.store.check_usable()
+        self.params, self.grads = params, grads
+        self.p, self.g = list(params.leaves), list(grads.leaves)
+        self.nodes, self.treedef = _flatten(opt_state.inner)
+        self.pnodes = [k for k, n in enumerate(self.nodes) if isinstance(n, Params)]
+        self.final = {k: list(self.nodes[k].leaves) for k in self.pnodes}
+        self.read_params = not _has_master(opt_state.inner)
+        live = [i for i, g in enumerate(self.g) if g is not None and self.p[i].numel()]
+        self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, sub_group_size)
+
+    # which tensors of unit i come from disk: (role, key, placeholder, read?)
+    def _disk_tensors(self, i: int):
+        out = []
+        if swap.on_disk(self.p[i]):
+            out.append(("p", None, self.p[i], self.read_params))
+        if swap.on_disk(self.g[i]):
+            out.append(("g", None, self.g[i], True))
+        for k in self.pnodes:
+            t = self.nodes[k].leaves[i]
+            if swap.on_disk(t):
+                out.append(("o", k, t, True))
+        return out
+
+    def _read(self, group, slot: int, handle):
+        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, unit)."""
+        plan = [(i, *x) for i in group for x in self._disk_tensors(i)]
+        sizes = [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
+        arena = self._arena(slot, sum(sizes))
+        bufs, off = {}, 0
+        for (i, role, key, t, read), size in zip(plan, sizes):
+            buf = arena[off : off + t.numel() * t.element_size()].view(t.dtype)
+            off += size
+            if read:
+                _, file, base = swap.locate(t)
+                self.store._io(f"reading '{file.path}'", lambda: handle.pread(buf, file.path, base))
+                self.store.bytes_read += buf.numel() * buf.element_size()
+            bufs[role, key, i] = buf
+        return bufs
+
+    def _arena(self, slot: int, nbytes: int) -> torch.Tensor:
+        arenas = self.store.arenas
+        while len(arenas) <= slot:
+            arenas.append(torch.empty(0, dtype=torch.uint8))
+        if arenas[slot].numel() < nbytes:
+            arenas[slot] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
+            arenas[slot] = swap.aio.aligned_empty(nbytes)
+        return arenas[slot]
+
+    def _compute(self, group, bufs):
+        """The inner optimizer over ``group``; the other units are empty and have no gradient."""
+        members = set(group)
+        p = [bufs.get(("p", None, i), self.p[i]) if i in members else _empty(self.p[i]) for i in range(len(self.p))]
+        g = [bufs.get(("g", None, i), self.g[i]) if i in members else None for i in range(len(self.g))]
+        nodes = list(self.nodes)
+        for k in self.pnodes:
+            leaves = self.nodes[k].leaves
+            nodes[k] = Params(self.nodes[k].spec, [
+                bufs.get(("o", k, i), t) if i in members else (_empty(t) if t.dim() else t)
+                for i, t in enumerate(leaves)])
+        info = None if self.info is None else GradInfo(self.info.scale, self.info.sq_norm)  # each group folds anew
+        new_p, new_state = apply_update(self.optimizer, Params(self.grads.spec, g), self.treedef.unflatten(nodes),
+                                        Params(self.params.spec, p), info=info)
+        return new_p.leaves, _flatten(new_state)[0]
+
+    def _write_back(self, group, new_p, new_nodes, handle) -> None:
+        for i in group:
+            if swap.on_disk(self.p[i]):
+                self.store.write(handle, new_p[i], self.p[i])
+            elif new_p[i] is not self.p[i]:
+                self.p[i].copy_(new_p[i])
+            for k in self.pnodes:
+                old, new = self.nodes[k].leaves[i], new_nodes[k].leaves[i]
+                if swap.on_disk(old):
+                    self.store.write(handle, new, old)
+                elif old.dim():
+                    if new is not old:
+                        old.copy_(new)
+                else:
+                    self.final[k][i] = new  # a per-unit counter
+
+    def run(self):
+        store = self.store
+        reader, writer = store._handle(), store._handle()
+        new_nodes, wrote = None, False
+        try:
+            if not self.groups:  # no unit has a gradient: only the step count moves
+                _, new_nodes = self._compute([], {})
+            else:
+                bufs = self._read(self.groups[0], 0, reader)
+                store.wait(reader, "reading the optimizer state")
+                for n, group in enumerate(self.groups):
+                    ahead = None
+                    if n + 1 < len(self.groups):
+                        ahead = self._read(self.groups[n + 1], (n + 1) % self.SLOTS, reader)
+                    new_p, new_nodes = self._compute(group, bufs)
+                    store.wait(writer, "writing the optimizer state")
+                    wrote = True
+                    store.arm("update", writer)
+                    self._write_back(group, new_p, new_nodes, writer)
+                    store.wait(reader, "reading the optimizer state")
+                    bufs = ahead
+                store.wait(writer, "writing the optimizer state")
+        except BaseException as e:
+            for h in (reader, writer):
+                try:
+                    h.wait()
+                except (OSError, EOFError):
+                    pass
+            if wrote:
+                store.fail(f"the update of step failed after writing part of the state ({e})")
+            raise
+        finally:
+            store._idle += [reader, writer]
+        nodes = list(new_nodes)
+        for k in self.pnodes:
+            nodes[k] = Params(self.nodes[k].spec, self.final[k])
+        return Params(self.params.spec, self.p), SwapState(store, self.treedef.unflatten(nodes))
+
+
+# ---------------------------------------------------------------- gradients
+
+
+class GradToDisk:
+    """A grad sink (see zfunc.accumulate): each unit's gradient, reduced home, goes to its swap
+    file the moment its reduction is done; its norm and inf/NaN check are taken on the way."""
+
+    def __init__(self, store: swap.SwapStore, spec):
+        self.store, self.spec = store, spec
+        self.left: dict[int, int] = {}  # unit -> backward calls still to come
+        self.partial: dict[int, torch.Tensor] = {}  # a unit used more than once: its gradient so far
+        self.written: set[int] = set()
+
+    def take(self, unit, grad_full: torch.Tensor) -> None:
+        i = unit.index
+        left = self.left.get(i, unit.uses) - 1
+        self.left[i] = left
+        if left > 0 or i in self.partial:  # autograd would add these: add them before reducing
+            if i in self.partial:
+                self.partial[i].add_(grad_full)
+            else:
+                self.partial[i] = grad_full
+            if left > 0:
+                return
+            grad_full = self.partial.pop(i)
+        pending = placement.send_home_start(unit.place, grad_full, unit.group, out_dtype=unit.anchor.dtype)
+        unit.tracker.reducing(pending.then(lambda g: self._write(unit, g), pending.out))
+
+    def _write(self, unit, g: torch.Tensor) -> None:
+        i, store = unit.index, self.store
+        placeholder = store.grads[i]
+        sq, finite = cpu_adam.nonfinite_and_sq_norm([g])
+        store.grad_stats[id(placeholder)] = (sq, finite)
+        data, offset = g, 0
+        if optimizer_slices(unit.place, self.spec.sharded[i]):  # only this rank's slice is ever read
+            r, w = dist.rank(unit.group), dist.world_size(unit.group)
+            data = layout.shard(g, r, w)
+            offset = data.storage_offset() * g.element_size()
+        store.wait(store.writer, "writing gradients", store.UNCHANGED)  # one in flight: memory stays bounded
+        store.arm("grad", store.writer)
+        store.write(store.writer, data, placeholder, offset, store.UNCHANGED)
+        self.written.add(i)
+        trim_heap()  # autograd's gradients of this unit: back to the OS, not piled up in malloc's heap
+
+    def finish(self) -> Params:
+        self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
+        return Params(self.spec, [self.store.grads[i] if i in self.written else None
+                                  for i in range(len(self.spec.sharded))])
+
+
+# ---------------------------------------------------------------- the transform
+
+
+class OffloadNvme(Transform):
+    family = "offload"
+
+    def __init__(self, path, params: bool, optimizer: bool, buffer_count: int, buffer_size: int,
+                 sub_group_size: int, aio: dict | None):
+        self.path, self.params, self.optimizer = path, params, optimizer
+        self.buffer_count, self.buffer_size, self.sub_group_size = buffer_count, buffer_size, sub_group_size
+        self.aio = aio
+
+    @property
+    def name(self) -> str:
+        return "offload_nvme"
+
+    def describe(self, inner: str) -> str:
+        what = [k for k, on in (("params", self.params), ("optimizer", self.optimizer)) if not on]
+        return f"offload_nvme({inner}" + "".join(f", {k}=False" for k in what) + ")"
+
+    def check(self, inner) -> None:
+        check_inside_zero(self, inner, "zeroN(offload_nvme(f, path))")
+
+    def place(self, p: Placement, unit) -> Placement:
+        return replace(p, grad_home=NVME, opt_home=NVME if self.optimizer else CPU,
+                       param_home=NVME if self.params else p.param_home)
+
+    def wrap_optimizer(self, optimizer):
+        return swapped_optimizer(optimizer, self.sub_group_size)
+
+    def wrap_grad(self, grad_fn):
+        if getattr(grad_fn, "accumulates", False):  # accumulate inside: its fp32 sums stay in RAM
+            return grad_fn
+
+        def run(params, batch, *, sink=None, **kw):
+            if sink is not None:  # accumulate outside hands its own sink
+                return grad_fn(params, batch, sink=sink, **kw)
+            to_disk = GradToDisk(swap.store_of(params.spec.swap), grad_spec(params.spec))
+            out = grad_fn(params, batch, sink=to_disk, **kw)
+            return out._replace(grads=to_disk.finish())
+
+        return run
+
+    def open_store(self, step: Step, spec, places, group) -> swap.SwapStore:
+        """At ``Step.init``: the state's swap folder, its free-space check and its gradient files."""
+        if dist.device_of(group).type != "cpu":
+            raise NotImplementedError("offload_nvme runs on CPU process groups (gloo) today; on CUDA use "
+                                      "offload_cpu")
+        w, r = dist.world_size(group), dist.rank(group)
+        accumulates = step._transform("accumulate") is not None
+        per_elem = _optimizer_bytes_per_element(step._update_part(below=self))
+        sizes, need, largest = [], 0, 0
+        for i, (unit, place) in enumerate(zip(spec.units, places)):
+            padded = unit.trainable.padded
+            n = layout.shard_numel(padded, w) if place.params_sharded else padded
+            n_opt = layout.shard_numel(padded, w) if place.opt_sharded or place.params_sharded else padded
+            n_grad = layout.shard_numel(padded, w) if grad_is_shard(place, place.params_sharded) else padded
+            item = _itemsize(place.param_dtype or unit.trainable.dtype)
+            if self.params and n:
+                need += n * (item + _itemsize(unit.trainable.dtype))  # the file, and its staging copy at init
+                largest = max(largest, n)
+            if not accumulates:
+                need += n_grad * item
+            if self.optimizer:
+                need += n_opt * per_elem
+            shard_start = r * layout.shard_numel(padded, w) if padded else 0
+            sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
+                          shard_start if n_grad != padded else 0))
+        if largest > self.buffer_size:
+            name = next(u.name or "<root>" for u, (n, *_) in zip(spec.units, sizes) if n == largest)
+            raise ValueError(f"offload_nvme: unit {name!r} holds {largest} elements on this rank, more than "
+                             f"buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
+        max_item = max((s[2] for s in sizes), default=4)
+        store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
+                               buffer_bytes=largest * max_item)
+        store.reserve(need)
+        store.to_disk_opt = self.optimizer
+        store.offsets = [s[3] for s in sizes]
+        if not accumulates:
+            for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
+                if n_grad:
+                    store.grads[i] = store.create(i, unit.name, "grad", n_grad, place.param_dtype or unit.trainable.dtype,
+                                                  grad_start)
+        return store
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _optimizer_bytes_per_element(optimizer) -> int:
+    """Bytes of optimizer state per parameter element (what its init makes for one element)."""
+    if optimizer is None:
+        return 0
+    state = optimizer.init({"x": torch.zeros(1)})
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state, namespace=NAMESPACE)
+               if isinstance(t, torch.Tensor) and t.dim() == 1)
+
+
+def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = True, buffer_count: int = 5,
+                 buffer_size: int = int(1e8), sub_group_size: int = int(1e9), aio: dict | None = None) -> Step:
+    """Keep parameters, gradients and optimizer state in swap files under ``path`` (module docstring).
+
+    ``params``: parameter shards on disk too (needs zero3, or no stage);
+    ``optimizer``: the optimizer state on disk (else in RAM, as offload_cpu);
+    ``buffer_count`` x ``buffer_size`` (elements): the pool units are read
+    into; ``sub_group_size``: elements the update holds at once (each of three
+    staging sets); ``aio``: DeepSpeed's ``aio`` config section for
+    ``zfunc.ops.aio``. The state owns its files: ``state.close()`` (or a
+    ``with`` block) removes them; so does interpreter exit.
+    """
+    if not isinstance(step, Step):
+        raise TypeError(f"offload_nvme transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    if path is None or not str(path):
+        raise ValueError("offload_nvme needs path=, a folder on a fast local disk for the swap files")
+    for key, value in (("buffer_count", buffer_count), ("buffer_size", buffer_size),
+                       ("sub_group_size", sub_group_size)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"offload_nvme: {key} must be a positive number, got {value!r}")
+    return step.then(OffloadNvme(path, bool(params), bool(optimizer), int(buffer_count), int(buffer_size),
+                                 int(sub_group_size), aio))

@@ -1,0 +1,426 @@
+"""Swap files: where ``offload_nvme`` keeps a state's tensors on disk.
+
+A ``SwapStore`` owns one state's folder, ``path/rank{r}/state-XXXXXX/``, made
+fresh for every ``Step.init`` so two states never share a file. Each on-disk
+tensor is one file per (unit, kind), named for what it holds, e.g.
+``u002-blocks.1.exp_avg.fp32.4096_8192.swp`` (unit 2, module ``blocks.1``, Adam's
+first moment in fp32, this rank's elements 4096 to 4096 + 8192 of the unit's
+flat buffer), allocated to its full size when it is made, after one free-space
+check for everything the state will write (so a step never grows a file).
+
+In the state a tensor on disk is a *placeholder*: a meta tensor of its shape
+and dtype, which holds no memory and fails loudly if anything computes with
+it. ``locate`` maps a placeholder (or a view of one) to its file and offset.
+
+All I/O goes through ``zfunc.ops.aio``. Units read in for compute land in a
+fixed pool of ``buffer_count`` aligned buffers (``BufferPool``); the optimizer's
+streaming update has its own staging arenas (zfunc.offload_nvme).
+
+A failed write during an update leaves some units updated and others not: the
+store then refuses every later use, saying so, rather than train on a mix. A
+failure before the update (reading parameters, writing gradients) changes
+nothing the state keeps, so the same state can step again once the cause is
+fixed. ``close()`` removes the folder; so does interpreter exit.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from . import buffers, dist
+from .ops import aio
+
+ALIGN = aio.ALIGNMENT
+
+
+@dataclass(frozen=True)
+class SwapFile:
+    path: str
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.float64: "fp64"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+# placeholder id -> (store, file, placeholder); the store keeps the placeholder alive
+_files: dict[int, tuple["SwapStore", SwapFile, torch.Tensor]] = {}
+_open: dict[str, "SwapStore"] = {}  # key -> open store
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def on_disk(t) -> bool:
+    """Whether ``t`` is a placeholder of a swap file (or a view of one)."""
+    return isinstance(t, torch.Tensor) and t.device.type == "meta" and id(_base(t)) in _files
+
+
+def locate(t: torch.Tensor) -> tuple["SwapStore", SwapFile, int]:
+    """``(store, file, byte offset)`` of a placeholder or a 1-D view of one."""
+    try:
+        store, file, _ = _files[id(_base(t))]
+    except KeyError:
+        raise ValueError("this tensor is not held in a swap file") from None
+    store.check_usable()
+    return store, file, t.storage_offset() * t.element_size()
+
+
+def store_of(key: str | None) -> "SwapStore | None":
+    if key is None:
+        return None
+    store = _open.get(key)
+    if store is None:
+        raise RuntimeError(f"the swap files of this state ({key}) were removed by close(); "
+                           "a closed state cannot be used: build a new one with step.init")
+    return store
+
+
+def load(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a new CPU tensor: read from its swap file if it is on disk."""
+    if not on_disk(t):
+        return t
+    store, file, offset = locate(t)
+    out = torch.empty(t.shape, dtype=t.dtype)
+    store.read_now(out, file, offset)
+    return out
+
+
+def grad_stats(t: torch.Tensor) -> tuple[float, bool]:
+    """``(sum of squares, all finite)`` of a gradient, measured when it was written."""
+    store, _, _ = locate(t)
+    return store.grad_stats[id(_base(t))]
+
+
+def check_state(state) -> None:
+    """Raise if ``state``'s swap files were closed or left half-updated by a failed step."""
+    store = store_of(state.params.spec.swap)
+    if store is not None:
+        store.check_usable()
+
+
+def io_counts(state) -> dict | None:
+    """Bytes the state's store has read and written so far, and its pool's use; None without one."""
+    key = state.params.spec.swap
+    store = _open.get(key) if key is not None else None
+    if store is None:
+        return None
+    return {"bytes_read": store.bytes_read, "bytes_written": store.bytes_written,
+            "pool_peak_buffers": store.pool.peak_in_use, "pool_overflow": store.pool.overflow}
+
+
+class BufferPool:
+    """``count`` aligned buffers of ``nbytes`` each, made on first use and reused.
+
+    A request when all are taken gets a buffer of its own (counted in
+    ``overflow``), dropped when given back, so a step never deadlocks on the pool.
+    """
+
+    def __init__(self, count: int, nbytes: int):
+        self.count, self.nbytes = count, _aligned(max(nbytes, 1))
+        self._free: list[torch.Tensor] = []
+        self._ours: dict[int, torch.Tensor] = {}  # storage ptr -> raw pool buffer in use
+        self._extra: set[int] = set()  # storage ptrs of overflow buffers in use
+        self._alone: dict[int, int] = {}  # storage ptr -> its reference count when only the pool holds it
+        self.made = 0
+        self.overflow = 0
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * _itemsize(dtype)
+        if nbytes <= self.nbytes and (self._free or self.made < self.count):
+            if self._free:
+                raw = self._free.pop()
+            else:
+                raw = aio.aligned_empty(self.nbytes)
+                self.made += 1
+                storage = raw.untyped_storage()
+                # references to the storage when the pool alone holds it (raw, its base, this object)
+                self._alone[storage.data_ptr()] = torch._C._storage_Use_Count(storage._cdata)
+            self._ours[raw.untyped_storage().data_ptr()] = raw
+        else:
+            self.overflow += 1
+            raw = aio.aligned_empty(_aligned(nbytes))
+            self._extra.add(raw.untyped_storage().data_ptr())
+        self.in_use += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return raw[:nbytes].view(dtype)
+
+    def give(self, t: torch.Tensor) -> bool:
+        """Take back a buffer ``take`` handed out; False if it is not one of ours."""
+        if t.device.type != "cpu":
+            return False
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        raw = self._ours.pop(ptr, None)
+        if raw is not None:
+            # reused only if nothing but t holds it besides the pool; else it is left to its
+            # holder and the pool makes another
+            if torch._C._storage_Use_Count(storage._cdata) > self._alone[ptr] + 1:
+                self.made -= 1
+                del self._alone[ptr]
+            else:
+                self._free.append(raw)
+        elif ptr in self._extra:
+            self._extra.discard(ptr)
+        else:
+            return False
+        self.in_use -= 1
+        return True
+
+    def resident_bytes(self) -> int:
+        return self.made * self.nbytes
+
+
+class SwapStore:
+    """One state's swap folder, its files, its I/O handles and its buffer pool."""
+
+    def __init__(self, root: str, *, aio_config: dict | None, buffer_count: int, buffer_bytes: int):
+        self.aio_config = dict(aio_config or {})
+        aio.AsyncIO.from_config(self.aio_config).close()  # bad keys fail here, before any file
+        rank_dir = os.path.join(os.path.abspath(os.fspath(root)), f"rank{dist.rank()}")
+        try:
+            os.makedirs(rank_dir, exist_ok=True)
+            self.dir = tempfile.mkdtemp(prefix="state-", dir=rank_dir)
+        except OSError as e:
+            raise OSError(e.errno, f"offload_nvme: cannot make the swap folder under '{rank_dir}': "
+                                   f"{e.strerror}; pass a path= on a writable disk", rank_dir) from None
+        self.key = self.dir
+        self.pool = BufferPool(buffer_count, buffer_bytes)
+        self._idle: list[aio.AsyncIO] = []
+        self.writer = self._handle()  # gradient writes during backward
+        self.failed: str | None = None
+        self.closed = False
+        self.grad_stats: dict[int, tuple[float, bool]] = {}  # id(placeholder) -> (sum of squares, finite)
+        self.staged: dict[int, tuple[str, torch.dtype]] = {}  # id(param placeholder) -> (file, dtype) of its init values
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.arenas: list[torch.Tensor] = []  # the update's staging buffers (zfunc.offload_nvme)
+        self._mine: list[int] = []
+        # set by offload_nvme: gradient placeholders by unit, whether the optimizer state goes to
+        # disk, and each unit's element offset of this rank's part (for file names)
+        self.grads: dict[int, torch.Tensor] = {}
+        self._faults: dict[str, int] = {}
+        self.to_disk_opt = True
+        self.offsets: list[int] = []
+        _open[self.key] = self
+
+    # ------------------------------------------------------------ files
+
+    def reserve(self, nbytes: int) -> None:
+        """Raise now, naming needed and free bytes, if the disk cannot hold ``nbytes`` more."""
+        try:
+            aio.check_free_space(os.path.join(self.dir, "x"), nbytes)
+        except OSError as e:
+            self.close()
+            raise OSError(e.errno, f"offload_nvme: not enough free space for this state's swap files: {e.strerror}",
+                          self.dir) from None
+
+    def create(self, unit: int, unit_name: str, kind: str, numel: int, dtype: torch.dtype, offset: int = 0
+               ) -> torch.Tensor:
+        """A new swap file of ``numel`` elements, allocated on disk; its placeholder."""
+        name = f"u{unit:03d}-{unit_name or 'root'}.{kind}.{_short(dtype)}.{offset}_{numel}.swp"
+        file = SwapFile(os.path.join(self.dir, name), numel, dtype)
+        self._allocate(file.path, file.nbytes)
+        placeholder = torch.empty(numel, dtype=dtype, device="meta")
+        _files[id(placeholder)] = (self, file, placeholder)
+        self._mine.append(id(placeholder))
+        return placeholder
+
+    def _allocate(self, path: str, nbytes: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            raise OSError(e.errno, f"offload_nvme: cannot allocate {nbytes} bytes for swap file: {e.strerror}",
+                          path) from None
+        finally:
+            os.close(fd)
+
+    def file_of(self, t: torch.Tensor) -> SwapFile:
+        return locate(t)[1]
+
+    # --------------------------------------------------------------- I/O
+
+    def _handle(self) -> aio.AsyncIO:
+        return self._idle.pop() if self._idle else aio.AsyncIO.from_config(self.aio_config, check_space=False)
+
+    def inject_error(self, phase: str, err: int) -> None:
+        """Fault switch for tests: the next request of ``phase`` ("read": a unit's parameters;
+        "grad": a gradient write; "update": the update's writes) fails with ``err``."""
+        if phase not in ("read", "grad", "update"):
+            raise ValueError(f"phase must be 'read', 'grad' or 'update', got {phase!r}")
+        self._faults[phase] = err
+
+    def arm(self, phase: str, handle: aio.AsyncIO) -> None:
+        err = self._faults.pop(phase, None)
+        if err is not None:
+            handle._inject_error(err, 0)
+
+    UNCHANGED = ("; nothing this state keeps was changed: fix the cause (free the disk) and call the "
+                 "step again with the same state")
+
+    def _io(self, what: str, fn, hint: str = ""):
+        try:
+            return fn()
+        except (OSError, EOFError) as e:
+            err = getattr(e, "errno", None) or errno.EIO
+            raise OSError(err, f"offload_nvme: {what} failed: {e}{hint}") from e
+
+    def read_now(self, out: torch.Tensor, file: SwapFile, offset: int = 0) -> torch.Tensor:
+        h = self._handle()
+        try:
+            self._io(f"reading '{file.path}'", lambda: (h.pread(out, file.path, offset), h.wait()))
+        finally:
+            self._idle.append(h)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def read_start(self, placeholder: torch.Tensor) -> dist.Pending:
+        """Start reading a unit's parameters into a pool buffer; ``wait()`` returns the buffer."""
+        _, file, offset = locate(placeholder)
+        buf = self.pool.take(placeholder.numel(), placeholder.dtype)
+        h = self._handle()
+        self.arm("read", h)
+        try:
+            self._io(f"reading '{file.path}'", lambda: h.pread(buf, file.path, offset), self.UNCHANGED)
+        except BaseException:
+            self._idle.append(h)
+            self.give(buf)
+            raise
+        self.bytes_read += buf.numel() * buf.element_size()
+
+        def finish():
+            try:
+                self._io(f"reading '{file.path}'", h.wait, self.UNCHANGED)
+            except BaseException:
+                self.give(buf)
+                raise
+            finally:
+                self._idle.append(h)
+
+        return dist.Pending(buf, finish=finish)
+
+    def write(self, handle: aio.AsyncIO, data: torch.Tensor, placeholder: torch.Tensor, offset: int = 0,
+              hint: str = "") -> None:
+        """Queue writing ``data`` into ``placeholder``'s file at ``offset`` bytes past its own start."""
+        _, file, base = locate(placeholder)
+        self._io(f"writing '{file.path}'", lambda: handle.pwrite(data.contiguous(), file.path, base + offset), hint)
+        self.bytes_written += data.numel() * data.element_size()
+
+    def wait(self, handle: aio.AsyncIO, what: str, hint: str = "") -> None:
+        self._io(what, handle.wait, hint)
+
+    def give(self, buf: torch.Tensor) -> bool:
+        """Return a buffer ``read_start`` handed out (False if it is not one)."""
+        return self.pool.give(buf)
+
+    # --------------------------------------------------------------- init staging
+
+    def stage(self, unit: int, unit_name: str, values: torch.Tensor, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        """At init: write a unit's parameter shard (model dtype) to a staging file and return the
+        placeholder of its swap file in the stored ``dtype``; ``take_staged`` reads it back once."""
+        placeholder = self.create(unit, unit_name, "param", values.numel(), dtype, offset)
+        path = locate(placeholder)[1].path + ".init"
+        self._io(f"writing '{path}'", lambda: aio.write_file_atomic(path, values.contiguous()))
+        self.bytes_written += values.numel() * values.element_size()
+        self.staged[id(placeholder)] = (path, values.dtype)
+        del values
+        buffers.trim()  # the unit's init temporaries go back to the OS before the next unit's
+        return placeholder
+
+    def take_staged(self, placeholder: torch.Tensor) -> torch.Tensor | None:
+        """The init values ``stage`` wrote for this placeholder (then gone), or None."""
+        entry = self.staged.pop(id(placeholder), None)
+        if entry is None:
+            return None
+        path, dtype = entry
+        out = torch.empty(placeholder.numel(), dtype=dtype)
+        self.read_now(out, SwapFile(path, out.numel(), dtype))
+        os.unlink(path)
+        return out
+
+    def finish_staged(self) -> None:
+        """Write every still-staged parameter into its swap file, in its stored dtype."""
+        for pid in list(self.staged):
+            placeholder = _files[pid][2]
+            values = self.take_staged(placeholder)
+            self.write_now(values.to(placeholder.dtype), placeholder)
+
+    def write_now(self, data: torch.Tensor, placeholder: torch.Tensor) -> None:
+        h = self._handle()
+        try:
+            self.write(h, data, placeholder)
+            self.wait(h, f"writing '{self.file_of(placeholder).path}'")
+        finally:
+            self._idle.append(h)
+
+    # --------------------------------------------------------------- lifecycle
+
+    def fail(self, why: str) -> None:
+        self.failed = why
+
+    def check_usable(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the swap files of this state ({self.dir}) were removed by close(); "
+                               "a closed state cannot be used: build a new one with step.init")
+        if self.failed:
+            raise RuntimeError(
+                f"this state's swap files are in an unknown state: {self.failed}. Some units may have been "
+                "updated and others not, so this state refuses to train on. Free the disk (or fix the error), "
+                "then build the state again (step.init) or load your last checkpoint"
+            )
+
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for pid in self._mine for _, f, _ in [_files[pid]])
+
+    def resident_bytes(self) -> int:
+        """Bytes of the buffers this store keeps between steps: the pool and the update's arenas."""
+        return self.pool.resident_bytes() + sum(a.numel() for a in self.arenas)
+
+    def close(self) -> None:
+        """Remove the swap folder; the state that owned it can no longer be used."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in [self.writer, *self._idle]:
+            try:
+                h.close()
+            except OSError:
+                pass  # the files go now anyway
+        self._idle.clear()
+        for pid in self._mine:
+            _files.pop(pid, None)
+        self._mine.clear()
+        self.arenas.clear()
+        _open.pop(self.key, None)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@atexit.register
+def _close_all() -> None:
+    for store in list(_open.values()):
+        store.close()
