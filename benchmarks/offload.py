@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import zero_vs_fsdp as zvf  # noqa: E402
 from _launch import launch  # noqa: E402
 
-MODES = ["zero3", "zero3_cpu", "zero3_nvme", "ds3", "ds3_cpu", "ds3_nvme"]
-PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_nvme": "ds3_nvme"}
-COMPUTE = {"zero3_cpu": "zero3", "zero3_nvme": "zero3", "ds3_cpu": "ds3", "ds3_nvme": "ds3"}
+MODES = ["zero3", "zero3_cpu", "zero3_nvme", "zero3_nvme_small", "ds3", "ds3_cpu", "ds3_nvme"]
+PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_nvme": "ds3_nvme", "zero3_nvme_small": "ds3_nvme"}
+COMPUTE = {"zero3_cpu": "zero3", "zero3_nvme": "zero3", "zero3_nvme_small": "zero3", "ds3_cpu": "ds3", "ds3_nvme": "ds3"}
 
 
 def parse_args():
@@ -204,7 +204,6 @@ def scale_worker(args):
     t0 = time.perf_counter()
     state = step.init(model, init_fn=init_fn)
     init_s = time.perf_counter() - t0
-    report = zf.memory_report(state)
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(args.scale_steps):
@@ -218,6 +217,7 @@ def scale_worker(args):
         rows.append(dict(step_s=dt, loss=loss, read=read, written=written, nvme=metrics["nvme"]))
         print(f"[scale] step {i}: {dt:.1f} s, loss {loss:.4f}, read {read / 1e9:.1f} GB, written "
               f"{written / 1e9:.1f} GB", file=sys.stderr, flush=True)
+    report = zf.memory_report(state)
     state.close()
     out = dict(ram=ram, params=n, layers=layers, model_state_bytes=16 * n, init_s=init_s, rows=rows,
                disk_bytes=report["by_home"]["disk"], swap_buffer_bytes=report["swap_buffer_bytes"],

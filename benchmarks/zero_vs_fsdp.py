@@ -65,6 +65,7 @@ MODES = {  # key -> description
     "zero3_cpu": "zfunc zero3(offload_cpu(...))",
     "ds3_cpu": "DeepSpeed ZeRO-3, optimizer offloaded to CPU",
     "zero3_nvme": "zfunc zero3(offload_nvme(...)): params, grads, optimizer state on disk",
+    "zero3_nvme_small": "zfunc zero3(offload_nvme(..., sub_group_size=1e6)): the update streams from disk",
     "ds3_nvme": "DeepSpeed ZeRO-3, params and optimizer state on NVMe",
 }
 
@@ -218,8 +219,8 @@ def build(mode, model, args, world):
             step = zf.mixed_precision(step, torch.bfloat16)  # reduce_dtype: fp32 by default
         if offload == "cpu":
             step = zf.offload_cpu(step)
-        if offload == "nvme":
-            step = zf.offload_nvme(step, args.nvme_path)
+        if offload.startswith("nvme"):  # "nvme_small": sub-groups of 1e6 elements, so most stream from disk
+            step = zf.offload_nvme(step, args.nvme_path, **({"sub_group_size": 10**6} if offload == "nvme_small" else {}))
         step = shard(step)
         state = step.init(model)
 

@@ -53,16 +53,20 @@ def checkpointed(kind: str):
     return model, loss_fn
 
 
-def run(kind: str, stage: int, per_rank: int) -> dict:
+def run(kind: str, stage: int, per_rank: int, offload: dict | None = None) -> dict:
+    """``offload``: ``{"kind": "cpu" | "nvme", **keywords}`` inside the stage."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model, loss_fn = checkpointed(kind)
 
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
-    step = {0: step, 1: zf.zero1(step), 2: zf.zero2(step), 3: zf.zero3(step)}[stage]
-    state = step.init(model)
-    for i in range(STEPS):
-        state, _ = step(state, tokens(i, per_rank * world)[rank * per_rank : (rank + 1) * per_rank])
-    return zf.gather_params(state)
+    if offload is not None:
+        kw = dict(offload)
+        step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
+    step = {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+    with step.init(model) as state:
+        for i in range(STEPS):
+            state, _ = step(state, tokens(i, per_rank * world)[rank * per_rank : (rank + 1) * per_rank])
+        return zf.gather_params(state)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -71,6 +75,17 @@ def test_transformers_model_matches_pytorch(kind, world):
     expected = reference(kind, 2 * world)
     for stage in (0, 1, 2, 3):
         for got in workers(world).run(run, kind, stage, 2):
+            assert_close_to(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_model_offloaded_matches_pytorch(kind, tmp_path):
+    """With activation checkpointing, under zero3(offload_nvme), zero2(offload_nvme(params=False))
+    (one unit per sub-group, so most of the state streams from disk) and zero3(offload_cpu)."""
+    expected = reference(kind, 4)
+    nvme = {"kind": "nvme", "path": str(tmp_path), "sub_group_size": 1}
+    for stage, offload in ((3, nvme), (2, dict(nvme, params=False)), (3, {"kind": "cpu"})):
+        for got in workers(2).run(run, kind, stage, 2, offload):
             assert_close_to(got, expected)
 
 

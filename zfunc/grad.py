@@ -136,10 +136,11 @@ class _UnitSwap:
     def enter(self, module, args):
         self.view.open_scope()
         old = []
+        self.saved.append(old)  # first: if materializing fails, exit restores what was swapped
         for name, mod, attr in self.slots:
+            value = self.view[name]
             old.append(mod._parameters[attr])
-            mod._parameters[attr] = self.view[name]
-        self.saved.append(old)
+            mod._parameters[attr] = value
 
     def exit(self, module, args, output):
         for (_, mod, attr), prev in zip(self.slots, self.saved.pop()):

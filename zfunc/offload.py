@@ -3,8 +3,10 @@
 ``offload_cpu(step)`` moves what the update needs off the accelerator:
 
 * placement: the optimizer state's home is the CPU (``opt_home``), and so is
-  the gradients' (``grad_home``): the update copies them to host memory
-  (pinned where CUDA exists) before the inner optimizer reads them;
+  the gradients' (``grad_home``): each unit's reduced gradient is copied to
+  host memory (pinned where CUDA exists, asynchronously) as its backward
+  finishes (``GradToHost``), so the copies overlap the rest of backward;
+  under ``accumulate`` the update copies the accumulated sums;
 * the update: the inner optimizer (with ``mixed_precision`` inside, its fp32
   master weights too) runs on the CPU over host tensors, so zfunc's fused CPU
   Adam does the work; the updated parameters (in their stored dtype) are
@@ -25,11 +27,65 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import placement
+from .grad import grad_spec
 from .optim import Optimizer, apply_update, fusing
 from .placement import CPU, Placement
 from .pytree import tree_leaves, tree_map
 from .step import Step
 from .transform import Transform, check_inside_zero
+from .tree import Params
+
+
+class GradOffHome:
+    """A grad sink (see zfunc.accumulate) that sends each unit's gradient home the moment autograd
+    is done with the unit and hands the reduced gradient to ``_store`` (a host copy, a swap
+    file). A unit used more than once in forward has its gradients added first, as autograd would."""
+
+    def __init__(self, spec):
+        self.spec = spec  # the gradients' ParamsSpec
+        self.left: dict[int, int] = {}  # unit -> backward calls still to come
+        self.partial: dict[int, torch.Tensor] = {}  # a unit used more than once: its gradient so far
+
+    def take(self, unit, grad_full: torch.Tensor) -> None:
+        i = unit.index
+        left = self.left.get(i, unit.uses) - 1
+        self.left[i] = left
+        if left > 0 or i in self.partial:
+            if i in self.partial:
+                self.partial[i].add_(grad_full)
+            else:
+                self.partial[i] = grad_full
+            if left > 0:
+                return
+            grad_full = self.partial.pop(i)
+        pending = placement.send_home_start(unit.place, grad_full, unit.group, out_dtype=unit.anchor.dtype)
+        unit.tracker.reducing(pending.then(lambda g: self._store(unit, g), pending.out))
+
+    def _store(self, unit, g: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class GradToHost(GradOffHome):
+    """Each unit's reduced gradient is copied to host memory as its backward finishes (on CUDA
+    asynchronously, into pinned memory, so the copies overlap the rest of backward; on the CPU
+    it is the same tensor)."""
+
+    def __init__(self, spec, pin: bool):
+        super().__init__(spec)
+        self.pin = pin
+        self.grads: dict[int, torch.Tensor] = {}
+        self.copied = False
+
+    def _store(self, unit, g: torch.Tensor) -> None:
+        host = to_host(g, self.pin)
+        self.copied |= host is not g
+        self.grads[unit.index] = host
+
+    def finish(self) -> Params:
+        if self.copied and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        return Params(self.spec, [self.grads.get(i) for i in range(len(self.spec.sharded))])
 
 
 class HostState(NamedTuple):
@@ -88,8 +144,24 @@ class Offload(Transform):
         return replace(p, opt_home=CPU, grad_home=CPU)
 
     def wrap_optimizer(self, optimizer):
-        # pinned host memory needs a CUDA driver; without one, plain host memory
-        return host_optimizer(optimizer, self.pin_memory and torch.cuda.is_available())
+        return host_optimizer(optimizer, self._pin)
+
+    @property
+    def _pin(self) -> bool:
+        return self.pin_memory and torch.cuda.is_available()  # pinning needs a CUDA driver
+
+    def wrap_grad(self, grad_fn):
+        if getattr(grad_fn, "accumulates", False):  # accumulate inside: its sums are copied in the update
+            return grad_fn
+
+        def run(params, batch, *, sink=None, **kw):
+            if sink is not None:  # accumulate outside hands its own sink
+                return grad_fn(params, batch, sink=sink, **kw)
+            to_host = GradToHost(grad_spec(params.spec), self._pin)
+            out = grad_fn(params, batch, sink=to_host, **kw)
+            return out._replace(grads=to_host.finish())
+
+        return run
 
 
 def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:

@@ -3,8 +3,10 @@
 
 ``offload_nvme(step, path)`` keeps, per unit, this rank's parameter shard, its
 gradient and every optimizer-state tensor (fp32 master, Adam's moments) in
-swap files under ``path/rank{r}/`` (zfunc.swap); RAM holds a fixed pool of
-buffers plus the units in use, whatever the model's size.
+swap files under ``path/rank{r}/`` (zfunc.swap). RAM holds a fixed pool of
+``buffer_count`` read buffers, the units in use, and the update's staging sets
+(at most three sub-groups of ``sub_group_size`` elements), whatever the
+model's size.
 
 * init: each unit's shard is staged to disk as it is made; the optimizer state
   is then built one unit at a time and written out, so init never holds more
@@ -22,6 +24,13 @@ buffers plus the units in use, whatever the model's size.
   back. The optimizer sees one sub-group at a time, other units stand in as
   empty tensors with no gradient; its step count advances once per step.
   Clipping folds into the step's ``GradInfo``, so it still sees the global norm.
+* the last sub-group stays in its staging set (``SwapStore.resident``): its
+  writes finish behind the step, the next forward reads its units from RAM,
+  backward puts its gradients there instead of on disk, and the next update
+  starts with it (so the order runs back and forth, step after step). A model
+  whose part fits in one sub-group thus reads nothing back from disk: its
+  state is written through to the swap files each step. A write that fails
+  behind the step is raised by the next use of the state.
 
 Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
@@ -36,9 +45,10 @@ from typing import Any
 import optree
 import torch
 
-from . import dist, layout, placement, swap
+from . import dist, layout, swap
 from .buffers import trim as trim_heap
 from .grad import grad_spec
+from .offload import GradOffHome
 from .ops import cpu_adam
 from .optim import GradInfo, Optimizer, apply_update, fusing
 from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
@@ -197,8 +207,9 @@ class _Update:
                 out.append(("o", k, t, True))
         return out
 
-    def _read(self, group, slot: int, handle):
-        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, unit)."""
+    def _read(self, group, slot: int, handle, held=frozenset()):
+        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, unit).
+        Files in ``held`` already have their values there (the resident sub-group): not read."""
         plan = [(i, *x) for i in group for x in self._disk_tensors(i)]
         sizes = [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
         arena = self._arena(slot, sum(sizes))
@@ -206,8 +217,8 @@ class _Update:
         for (i, role, key, t, read), size in zip(plan, sizes):
             buf = arena[off : off + t.numel() * t.element_size()].view(t.dtype)
             off += size
-            if read:
-                _, file, base = swap.locate(t)
+            _, file, base = swap.locate(t)
+            if read and file.path not in held:
                 self.store._io(f"reading '{file.path}'", lambda: handle.pread(buf, file.path, base))
                 self.store.bytes_read += buf.numel() * buf.element_size()
             bufs[role, key, i] = buf
@@ -238,41 +249,71 @@ class _Update:
                                         Params(self.params.spec, p), info=info)
         return new_p.leaves, _flatten(new_state)[0]
 
-    def _write_back(self, group, new_p, new_nodes, handle) -> None:
+    def _write_back(self, group, bufs, new_p, new_nodes, handle) -> None:
         for i in group:
             if swap.on_disk(self.p[i]):
-                self.store.write(handle, new_p[i], self.p[i])
+                self._write(handle, bufs, ("p", None, i), new_p[i], self.p[i])
             elif new_p[i] is not self.p[i]:
                 self.p[i].copy_(new_p[i])
             for k in self.pnodes:
                 old, new = self.nodes[k].leaves[i], new_nodes[k].leaves[i]
                 if swap.on_disk(old):
-                    self.store.write(handle, new, old)
+                    self._write(handle, bufs, ("o", k, i), new, old)
                 elif old.dim():
                     if new is not old:
                         old.copy_(new)
                 else:
                     self.final[k][i] = new  # a per-unit counter
 
+    def _write(self, handle, bufs, key, new, placeholder) -> None:
+        buf = bufs.get(key)
+        if buf is not None and new is not buf:  # an optimizer that returned new tensors: keep the set current
+            buf.copy_(new)
+            new = buf
+        self.store.write(handle, new, placeholder)
+
+    def _order(self) -> tuple[list, int, frozenset]:
+        """The sub-groups in the order to update them, the first one's staging slot, and the files
+        whose values that slot already holds: the sub-group left resident by the last update goes
+        first (so the order runs back and forth, step after step), with the gradients written into
+        it during backward. If the groups changed (a unit got no gradient), it is given up."""
+        store, groups = self.store, list(self.groups)
+        res = store.resident
+        if res is None or not groups:
+            return groups, 0, frozenset()
+        if set(groups[0]) != res.units and set(groups[-1]) == res.units:
+            groups.reverse()
+        if set(groups[0]) == res.units:
+            held = {path for path, (key, _) in res.files.items() if key[0] != "g" or path in store.resident_grads}
+            return groups, res.slot, frozenset(held)
+        store.drop_resident()
+        return groups, 0, frozenset()
+
     def run(self):
+        """Read ahead, write behind: sub-group n is updated while n+1 is read and n-1 written. The last
+        one stays in its staging set, its writes still in flight when the step returns."""
         store = self.store
+        store.settle()  # the last update's resident writes (long done; a failure surfaces here)
+        groups, first, held = self._order()
         reader, writer = store._handle(), store._handle()
         new_nodes, wrote = None, False
         try:
-            if not self.groups:  # no unit has a gradient: only the step count moves
+            if not groups:  # no unit has a gradient: only the step count moves
                 _, new_nodes = self._compute([], {})
             else:
-                bufs = self._read(self.groups[0], 0, reader)
+                bufs = self._read(groups[0], first, reader, held)
                 store.wait(reader, "reading the optimizer state")
-                for n, group in enumerate(self.groups):
-                    ahead = None
-                    if n + 1 < len(self.groups):
-                        ahead = self._read(self.groups[n + 1], (n + 1) % self.SLOTS, reader)
+                for n, group in enumerate(groups):
+                    last = n + 1 == len(groups)
+                    ahead = None if last else self._read(groups[n + 1], (first + n + 1) % self.SLOTS, reader)
                     new_p, new_nodes = self._compute(group, bufs)
                     store.wait(writer, "writing the optimizer state")
                     wrote = True
-                    store.arm("update", writer)
-                    self._write_back(group, new_p, new_nodes, writer)
+                    handle = store._handle() if last else writer
+                    store.arm("update", handle)
+                    self._write_back(group, bufs, new_p, new_nodes, handle)
+                    if last:
+                        store.keep_resident((first + n) % self.SLOTS, group, bufs, handle, self._files(group, bufs))
                     store.wait(reader, "reading the optimizer state")
                     bufs = ahead
                 store.wait(writer, "writing the optimizer state")
@@ -282,6 +323,7 @@ class _Update:
                     h.wait()
                 except (OSError, EOFError):
                     pass
+            store.drop_resident(quiet=True)
             if wrote:
                 store.fail(f"the update of step failed after writing part of the state ({e})")
             raise
@@ -292,36 +334,30 @@ class _Update:
             nodes[k] = Params(self.nodes[k].spec, self.final[k])
         return Params(self.params.spec, self.p), SwapState(store, self.treedef.unflatten(nodes))
 
+    def _files(self, group, bufs) -> dict:
+        """file -> ((role, key, unit), byte offset) for the buffers of ``group``'s staging set."""
+        out = {}
+        for i in group:
+            for role, key, t, _ in self._disk_tensors(i):
+                _, file, base = swap.locate(t)
+                out[file.path] = ((role, key, i), base)
+        return out
+
 
 # ---------------------------------------------------------------- gradients
 
 
-class GradToDisk:
-    """A grad sink (see zfunc.accumulate): each unit's gradient, reduced home, goes to its swap
-    file the moment its reduction is done; its norm and inf/NaN check are taken on the way."""
+class GradToDisk(GradOffHome):
+    """Each unit's gradient, reduced home, goes to its swap file the moment its reduction is done
+    (or into the resident staging set); its norm and inf/NaN check are taken on the way."""
 
     def __init__(self, store: swap.SwapStore, spec):
-        self.store, self.spec = store, spec
-        self.left: dict[int, int] = {}  # unit -> backward calls still to come
-        self.partial: dict[int, torch.Tensor] = {}  # a unit used more than once: its gradient so far
+        super().__init__(spec)
+        self.store = store
+        store.resident_grads = set()  # gradients this step put into the resident staging set
         self.written: set[int] = set()
 
-    def take(self, unit, grad_full: torch.Tensor) -> None:
-        i = unit.index
-        left = self.left.get(i, unit.uses) - 1
-        self.left[i] = left
-        if left > 0 or i in self.partial:  # autograd would add these: add them before reducing
-            if i in self.partial:
-                self.partial[i].add_(grad_full)
-            else:
-                self.partial[i] = grad_full
-            if left > 0:
-                return
-            grad_full = self.partial.pop(i)
-        pending = placement.send_home_start(unit.place, grad_full, unit.group, out_dtype=unit.anchor.dtype)
-        unit.tracker.reducing(pending.then(lambda g: self._write(unit, g), pending.out))
-
-    def _write(self, unit, g: torch.Tensor) -> None:
+    def _store(self, unit, g: torch.Tensor) -> None:
         i, store = unit.index, self.store
         placeholder = store.grads[i]
         sq, finite = cpu_adam.nonfinite_and_sq_norm([g])
@@ -331,11 +367,16 @@ class GradToDisk:
             r, w = dist.rank(unit.group), dist.world_size(unit.group)
             data = layout.shard(g, r, w)
             offset = data.storage_offset() * g.element_size()
+        self.written.add(i)
+        path = store.file_of(placeholder).path
+        held = store.resident_buffer(path)
+        if held is not None:  # its sub-group is resident: the update reads it from there
+            held.copy_(data)
+            store.resident_grads.add(path)
+            return
         store.wait(store.writer, "writing gradients", store.UNCHANGED)  # one in flight: memory stays bounded
         store.arm("grad", store.writer)
         store.write(store.writer, data, placeholder, offset, store.UNCHANGED)
-        self.written.add(i)
-        trim_heap()  # autograd's gradients of this unit: back to the OS, not piled up in malloc's heap
 
     def finish(self) -> Params:
         self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)

@@ -23,7 +23,7 @@ A unit's life::
 | opt: replicated or sharded | zero1, zero2, zero3 shard |
 | param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
-| param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update |
+| param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update; offload_nvme: all three in swap files (parameters and optimizer state as asked) |
 """
 from __future__ import annotations
 

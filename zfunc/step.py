@@ -254,7 +254,6 @@ class Step:
         params, opt_state = apply_update(self._update_part(), grads, state.opt_state, state.params, info=info)
         object.__setattr__(state, "_donated", True)
         if io_before is not None:  # offload_nvme: this step's disk traffic
-            trim_heap()  # the step's per-unit temporaries, as after init
             after = swap.io_counts(state)
             metrics["nvme"] = {k: after[k] - io_before[k] if k.startswith("bytes") else after[k] for k in after}
         return State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics

@@ -14,7 +14,8 @@ it. ``locate`` maps a placeholder (or a view of one) to its file and offset.
 
 All I/O goes through ``zfunc.ops.aio``. Units read in for compute land in a
 fixed pool of ``buffer_count`` aligned buffers (``BufferPool``); the optimizer's
-streaming update has its own staging arenas (zfunc.offload_nvme).
+streaming update has its own staging arenas (zfunc.offload_nvme), the last of
+which stays ``resident`` between steps: reads of its files are served from it.
 
 A failed write during an update leaves some units updated and others not: the
 store then refuses every later use, saying so, rather than train on a mix. A
@@ -37,6 +38,22 @@ from . import buffers, dist
 from .ops import aio
 
 ALIGN = aio.ALIGNMENT
+
+
+@dataclass
+class Resident:
+    """The staging set the last update left in place: its slot, units, buffers by (role, key,
+    unit) and by file, and the handle whose writes of it may still be in flight."""
+
+    slot: int
+    units: frozenset
+    bufs: dict
+    handle: object
+    files: dict  # path -> ((role, key, unit), byte offset of the buffer's values in the file)
+
+    def buffer(self, path: str):
+        entry = self.files.get(path)
+        return None if entry is None else self.bufs.get(entry[0])
 
 
 @dataclass(frozen=True)
@@ -223,6 +240,10 @@ class SwapStore:
         # disk, and each unit's element offset of this rank's part (for file names)
         self.grads: dict[int, torch.Tensor] = {}
         self._faults: dict[str, int] = {}
+        # the last update's final sub-group, kept in its staging set (zfunc.offload_nvme): reads of
+        # its files are served from RAM, gradients of its units written there, its writes in flight
+        self.resident: Resident | None = None
+        self.resident_grads: set[str] = set()
         self.to_disk_opt = True
         self.offsets: list[int] = []
         _open[self.key] = self
@@ -291,6 +312,7 @@ class SwapStore:
             raise OSError(err, f"offload_nvme: {what} failed: {e}{hint}") from e
 
     def read_now(self, out: torch.Tensor, file: SwapFile, offset: int = 0) -> torch.Tensor:
+        self.settle()  # a resident write to this file may be in flight
         h = self._handle()
         try:
             self._io(f"reading '{file.path}'", lambda: (h.pread(out, file.path, offset), h.wait()))
@@ -303,6 +325,9 @@ class SwapStore:
         """Start reading a unit's parameters into a pool buffer; ``wait()`` returns the buffer."""
         _, file, offset = locate(placeholder)
         buf = self.pool.take(placeholder.numel(), placeholder.dtype)
+        held = self.resident_buffer(file.path)
+        if held is not None and offset == 0 and held.numel() == buf.numel():
+            return dist.Pending(buf.copy_(held))  # the resident sub-group's values, already in RAM
         h = self._handle()
         self.arm("read", h)
         try:
@@ -333,6 +358,43 @@ class SwapStore:
 
     def wait(self, handle: aio.AsyncIO, what: str, hint: str = "") -> None:
         self._io(what, handle.wait, hint)
+
+    # ---------------------------------------------------------- the resident sub-group
+
+    def resident_buffer(self, path: str) -> torch.Tensor | None:
+        return None if self.resident is None else self.resident.buffer(path)
+
+    def keep_resident(self, slot: int, units, bufs: dict, handle, files: dict) -> None:
+        self.resident = Resident(slot, frozenset(units), bufs, handle, files)
+
+    def settle(self, *, quiet: bool = False) -> None:
+        """Wait for the resident sub-group's writes. A failure means the files are partly updated:
+        the store refuses to go on (``fail``), and says so here (unless ``quiet``)."""
+        res = self.resident
+        if res is None or res.handle is None:
+            return
+        handle, res.handle = res.handle, None
+        try:
+            self._io("writing the optimizer state", handle.wait)
+        except OSError as e:
+            self.fail(f"an update's write failed ({e})")
+            if not quiet:
+                raise
+        finally:
+            self._idle.append(handle)
+
+    def drop_resident(self, *, quiet: bool = False) -> None:
+        """Give up the resident sub-group (its gradients of this step go to their files first)."""
+        res = self.resident
+        if res is None:
+            return
+        self.settle(quiet=quiet)
+        self.resident = None
+        for path in self.resident_grads:
+            key, offset = res.files[path]
+            if not self.closed:
+                self.write_now(res.bufs[key], self.grads[key[2]], offset)
+        self.resident_grads = set()
 
     def give(self, buf: torch.Tensor) -> bool:
         """Return a buffer ``read_start`` handed out (False if it is not one)."""
@@ -370,10 +432,10 @@ class SwapStore:
             values = self.take_staged(placeholder)
             self.write_now(values.to(placeholder.dtype), placeholder)
 
-    def write_now(self, data: torch.Tensor, placeholder: torch.Tensor) -> None:
+    def write_now(self, data: torch.Tensor, placeholder: torch.Tensor, offset: int = 0) -> None:
         h = self._handle()
         try:
-            self.write(h, data, placeholder)
+            self.write(h, data, placeholder, offset)
             self.wait(h, f"writing '{self.file_of(placeholder).path}'")
         finally:
             self._idle.append(h)
@@ -405,6 +467,8 @@ class SwapStore:
         """Remove the swap folder; the state that owned it can no longer be used."""
         if self.closed:
             return
+        self.settle(quiet=True)
+        self.resident = None
         self.closed = True
         for h in [self.writer, *self._idle]:
             try:

@@ -21,7 +21,7 @@ to a step that already carries ``inner`` transforms.
 | --- | --- | --- |
 | ``zero1``/``zero2``/``zero3`` | once (one stage) | outside precision and accumulation (and offload) |
 | ``mixed_precision`` | once | inside the ZeRO stage and offload: ``zero3(offload_cpu(mixed_precision(f)))`` |
-| ``offload_cpu`` | once | inside the ZeRO stage, outside ``mixed_precision`` (it offloads what is inside it) |
+| ``offload_cpu``/``offload_nvme`` | once (one of them) | inside the ZeRO stage, outside ``mixed_precision`` (it offloads what is inside it); NVMe parameters not under zero1/2 |
 | ``accumulate`` | once | inside the ZeRO stage; either side of ``mixed_precision`` |
 | ``units`` | once, or agreeing with ``zero3(units=...)`` / ``train_step(units=...)`` | anywhere |
 """
