@@ -389,8 +389,8 @@ def table(results, args):
     ddp = "ddp" if "ddp" in summary and base != "ddp" else None
     lines = [f"| mode | median step s | time / {base} |" + (" time / ddp |" if ddp else "")
              + f" peak RSS per rank | RSS / {base} | peak above baseline | "
-             f"above / {base} | all-gather MB per step | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
-             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"above / {base} | above / Ψ | ZeRO formula / Ψ | all-gather MB per step | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
+             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for m in modes:
         s = summary[m]
         rel = abs(s["loss"] - summary[ref]["loss"]) / abs(summary[ref]["loss"])
@@ -402,11 +402,23 @@ def table(results, args):
         gather = "" if s["gather"] is None else f"{s['gather'] / 1e6:.2f}"
         lines.append(f"| {mode_label(m, precision)} | {s['step_s']:.3f}{spread} | {time_ratio(m, base):.2f} |"
                      + (f" {time_ratio(m, ddp):.2f} |" if ddp else "") + f" {s['rss'] / 1e9:.2f} GB | "
-                     f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | {gather} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
+                     f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | "
+                     f"{s['rss_above'] / s['params']:.1f} | {formula_per_param(m, precision, args.world)} | {gather} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
     for m in modes:  # a rerun of the same mode must give the same loss too
         if len({r["final_loss"] for r in results[m]}) > 1:
             mismatches.append(f"{mode_label(m, precision)} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
     return "\n".join(lines), summary, mismatches
+
+
+def formula_per_param(mode, precision, world):
+    """Model-state bytes per parameter per rank by ZeRO's formulas (P, G, K bytes per parameter;
+    fp32 AdamW: 4, 4, 8; bf16 with fp32 master: 2, 2, 12), for the modes they describe."""
+    p, g, k = (2, 2, 12) if precision == "bf16" else (4, 4, 8)
+    stage = {"ddp": 0, "local": 0, "zero0": 0, "zero1": 1, "ds1": 1, "zero2": 2, "ds2": 2, "zero3": 3, "ds3": 3,
+             "fsdp2": 3}.get(mode)
+    if stage is None:
+        return ""
+    return f"{[p + g + k, p + g + k / world, p + (g + k) / world, (p + g + k) / world][stage]:g}"
 
 
 def precision_text(precision):
