@@ -95,6 +95,30 @@ def test_any_composition_equals_the_step_without_offload(name, stage, precision,
         _same(a, b)
 
 
+def persistent_run(offload: bool) -> dict:
+    """zero3 with a persistence threshold over every unit but the largest: replicated units."""
+    import cases
+
+    rank, world, model, shape_model, loss_fn = cases._setup("deep_mlp", KW["deep_mlp"], 0)
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
+    step = zf.zero3(zf.offload_nvme(step, SWAP) if offload else step, persistence_threshold=200)
+    with step.init(model) as state:
+        homes = [p.param_home for p in state.params.spec.placements]
+        for i in range(3):
+            b = cases.local(cases.batch("deep_mlp", shape_model, i, 4 * world), rank, world)
+            state, _ = step(state, b)
+        return {"params": zf.gather_params(state), "homes": homes}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_units_under_the_persistence_threshold_stay_in_memory(world):
+    plain = workers(world).run(persistent_run, False)
+    swapped = workers(world).run(persistent_run, True)
+    for a, b in zip(plain, swapped):
+        zf.testing.assert_trees_all_equal(b["params"], a["params"])
+        assert "device" in b["homes"] and "nvme" in b["homes"]
+
+
 def test_fp16_overflow_skips_and_leaves_the_files_untouched():
     """An inf on one rank at step 1: every rank skips, the state on disk is bit for bit unchanged."""
     precision = {"dtype": torch.float16, "loss_scale": "dynamic"}

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from . import dist
 from .optim import Optimizer, apply_update, fusing
-from .placement import REDUCE_SCATTER, SHARDED, Placement
+from .placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
 from .step import Step
 from .transform import Transform, Units
 
@@ -58,6 +58,8 @@ class Zero(Transform):
             p = replace(p, grads=REDUCE_SCATTER)
         if self.stage == 3 and unit.trainable.numel + unit.frozen.numel >= self.persistence_threshold:
             p = replace(p, params=SHARDED)
+        elif self.stage == 3 and p.param_home == NVME:
+            p = replace(p, param_home=DEVICE)  # a persistent unit stays in memory, whole, on every rank
         return p
 
     def wrap_optimizer(self, optimizer):
@@ -100,7 +102,8 @@ def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0)
     ``units``: ``None`` (each child of every ``nn.ModuleList`` plus a root
     unit), a list of module names, or a predicate ``(name, module) -> bool``;
     the same as ``zf.units(step, units)``. Units with fewer than
-    ``persistence_threshold`` elements stay replicated.
+    ``persistence_threshold`` elements stay replicated (and in memory under
+    ``offload_nvme``).
     """
     if units is not None:
         step = set_units(step, units)
