@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                                   # one process, ZeRO-3
     python examples/train_gpt.py --precision bf16 --accumulate 4   # bf16, 4 micro-batches a step
+    python examples/train_gpt.py --offload nvme --swap /tmp/swap   # parameters and Adam state on disk
     torchrun --standalone --nproc_per_node 2 examples/train_gpt.py --zero 3
 
 The training step is a pure function (state, batch) -> (state, metrics); the ZeRO
@@ -10,6 +11,8 @@ averages gradients over ranks, so W ranks with --batch B train on W*B sequences 
 """
 import argparse
 import math
+import shutil
+import tempfile
 import time
 
 import torch
@@ -31,6 +34,9 @@ parser.add_argument("--batch", type=int, default=16, help="sequences per rank pe
 parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                     help="compute dtype; bf16/fp16 keep fp32 master weights (fp16: dynamic loss scaling)")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+parser.add_argument("--offload", default="none", choices=["none", "cpu", "nvme"],
+                    help="optimizer state to the CPU, or parameters, gradients and optimizer state to disk")
+parser.add_argument("--swap", default=None, help="folder for --offload nvme's swap files (default: a temporary one)")
 parser.add_argument("--seq", type=int, default=128)
 parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--warmup", type=int, default=20)
@@ -48,13 +54,16 @@ torch.manual_seed(args.seed)  # every rank builds the same initial model
 # -----------------------------------------------------------------------------
 # data and model
 
+swap_path = args.swap or (tempfile.mkdtemp(prefix="zfunc-swap-") if args.offload == "nvme" else None)
 train_data, val_data = split(stdlib_corpus(args.mb))
 train_gen = rank_generator(args.seed, rank)
 cfg = GPTConfig(vocab_size=256, seq_len=args.seq, d_model=args.width, n_layers=args.layers, n_heads=args.heads)
 model = GPT(cfg)
 if master:
     print(f"{num_params(model) / 1e6:.2f}M parameters, {len(train_data) / 1e6:.1f}M training bytes, "
-          f"ZeRO-{args.zero}, {args.precision}, {args.accumulate} micro-batch(es), on {world} rank(s), "
+          f"ZeRO-{args.zero}, {args.precision}, {args.accumulate} micro-batch(es), "
+          + (f"offload {args.offload}{f' to {swap_path}' if swap_path else ''}, " if args.offload != "none" else "")
+          + f"on {world} rank(s), "
           f"{world * args.batch} x {args.seq} tokens per step")
 
 
@@ -78,6 +87,10 @@ def compose(step):
     if args.precision != "fp32":
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
         step = zf.mixed_precision(step, dtype, loss_scale="dynamic" if args.precision == "fp16" else None)
+    if args.offload == "cpu":
+        step = zf.offload_cpu(step)
+    elif args.offload == "nvme":  # zero1/2 keep whole parameters on every rank: only the rest goes to disk
+        step = zf.offload_nvme(step, swap_path, params=args.zero in (0, 3))
     return {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[args.zero](step)
 
 
@@ -132,4 +145,7 @@ if master:
     print(decode(out[0]))
     print("-" * 60)
 
+state.close()  # removes --offload nvme's swap files (a no-op otherwise)
+if swap_path and not args.swap:
+    shutil.rmtree(swap_path, ignore_errors=True)  # the temporary folder made for them
 zf.dist.shutdown()  # gloo may abort at interpreter exit otherwise (torchrun then returns 1)
