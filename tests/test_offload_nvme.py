@@ -73,13 +73,15 @@ def _pair(name, stage, precision, micro, clip, world, **offload):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_equals_the_step_without_offload_under_mixed_precision_and_accumulation(stage, world):
     """bf16 with fp32 master weights on disk, 2 micro-batches, clipping: bit for bit, with
-    accumulate inside offload_nvme (fp32 sums in RAM) and outside it (gradients to disk)."""
+    accumulate inside offload_nvme and outside it (fp32 sums in the gradient files)."""
     for under in (False, True):
         plain, swapped = _pair("deep_mlp", stage, {"dtype": torch.bfloat16}, 2, 0.5, world, params=stage == 3,
                                sub_group_size=100, under_accumulate=under)
         for a, b in zip(plain, swapped):
             _same(a, b)
             assert b["dtypes"] == ["torch.bfloat16"]
+            # the second micro-batch reads back each unit's fp32 sum from its gradient file
+            assert all(h["nvme"]["bytes_read"] > 0 for h in b["history"])
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,7 +22,8 @@ from itertools import islice
 
 import torch
 
-from . import buffers, dist, layout, placement
+from . import buffers, dist, layout, placement, swap
+from .ops import cpu_adam
 from .grad import GradOut, grad_spec
 from .step import Step
 from .transform import Transform, check_inside_zero
@@ -30,12 +31,22 @@ from .tree import Params
 
 
 class GradSink:
-    """fp32 accumulators, one per unit in its gradient's home form, filled in backward."""
+    """fp32 accumulators, one per unit in its gradient's home form, filled in backward.
+
+    Under ``offload_nvme`` (the parameters' spec names a swap store with gradient
+    files) an accumulator lives in its unit's fp32 gradient file between
+    micro-batches: read, added to and written back, so RAM holds only the units
+    in flight; its norm and inf/NaN check are taken at each write (the last one
+    counts), as ``GradToDisk`` does.
+    """
 
     def __init__(self, spec):
         self.spec = spec  # the gradients' ParamsSpec (which leaves are shards)
         self.acc: dict[int, torch.Tensor] = {}
         self.last = False  # the last micro-batch: whole gradients are reduced now
+        store = swap.store_of(spec.swap)
+        self.store = store if store is not None and store.grads else None
+        self.on_file: set[int] = set()  # units whose sum so far is in their gradient file
 
     def _acc(self, unit) -> torch.Tensor:
         acc = self.acc.get(unit.index)
@@ -43,7 +54,23 @@ class GradSink:
             padded = self.spec.segment(unit.index).padded
             w = dist.world_size(unit.group)
             n = layout.shard_numel(padded, w) if self.spec.sharded[unit.index] else padded
-            acc = self.acc[unit.index] = torch.zeros(n, dtype=torch.float32, device=unit.device)
+            acc = torch.zeros(n, dtype=torch.float32, device=unit.device)
+            if unit.index in self.on_file:
+                self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
+                self.store.read_now(acc, self.store.file_of(self.store.grads[unit.index]))
+            self.acc[unit.index] = acc
+        return acc
+
+    def _done(self, unit, acc: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's part is in ``acc``: on disk, write it out and let it go."""
+        if self.store is not None:
+            store, placeholder = self.store, self.store.grads[unit.index]
+            store.grad_stats[id(placeholder)] = cpu_adam.nonfinite_and_sq_norm([acc])
+            store.wait(store.writer, "writing gradients", store.UNCHANGED)  # one in flight
+            store.arm("grad", store.writer)
+            store.write(store.writer, acc, placeholder, 0, store.UNCHANGED)
+            self.on_file.add(unit.index)
+            self.acc.pop(unit.index, None)
         return acc
 
     def take(self, unit, grad_full: torch.Tensor) -> None:
@@ -52,7 +79,7 @@ class GradSink:
         tracker = unit.tracker
         if self.spec.sharded[unit.index]:
             pending = placement.send_home_start(unit.place, grad_full, unit.group)
-            tracker.reducing(pending.then(acc.add_, acc))
+            tracker.reducing(pending.then(lambda g: self._done(unit, acc.add_(g)), acc))
             return
         acc.add_(grad_full)
         buffers.give(grad_full)
@@ -60,11 +87,17 @@ class GradSink:
             pending = placement.send_home_start(unit.place, acc, unit.group, out_dtype=acc.dtype)
             if pending.out is not acc:  # reduced in another dtype, or W = 1 made a copy
                 pending = pending.then(acc.copy_, acc)
-            tracker.reducing(pending)
+            tracker.reducing(pending.then(lambda a: self._done(unit, a), acc))
+        else:
+            self._done(unit, acc)
 
     def grads(self) -> Params:
         """The accumulated gradients; ``None`` for a unit no micro-batch used."""
-        return Params(self.spec, [self.acc.get(i) for i in range(len(self.spec.sharded))])
+        if self.store is None:
+            return Params(self.spec, [self.acc.get(i) for i in range(len(self.spec.sharded))])
+        self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
+        return Params(self.spec, [self.store.grads[i] if i in self.on_file else None
+                                  for i in range(len(self.spec.sharded))])
 
 
 class Accumulate(Transform):

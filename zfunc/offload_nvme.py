@@ -35,7 +35,8 @@ model's size.
 Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
 (or no stage at all): zero1/2 keep full parameters on every rank. Under
-``accumulate`` the fp32 gradient accumulators stay in RAM.
+``accumulate`` the gradient files hold the fp32 sums between micro-batches
+(zfunc.accumulate's ``GradSink``).
 """
 from __future__ import annotations
 
@@ -415,7 +416,7 @@ class OffloadNvme(Transform):
         return swapped_optimizer(optimizer, self.sub_group_size)
 
     def wrap_grad(self, grad_fn):
-        if getattr(grad_fn, "accumulates", False):  # accumulate inside: its fp32 sums stay in RAM
+        if getattr(grad_fn, "accumulates", False):  # accumulate inside: its sink keeps the sums in the gradient files
             return grad_fn
 
         def run(params, batch, *, sink=None, **kw):
@@ -445,8 +446,7 @@ class OffloadNvme(Transform):
             if self.params and n:
                 need += n * (item + _itemsize(unit.trainable.dtype))  # the file, and its staging copy at init
                 largest = max(largest, n)
-            if not accumulates:
-                need += n_grad * item
+            need += n_grad * (4 if accumulates else item)  # accumulate sums in fp32
             if self.optimizer:
                 need += n_opt * per_elem
             shard_start = r * layout.shard_numel(padded, w) if padded else 0
@@ -462,11 +462,10 @@ class OffloadNvme(Transform):
         store.reserve(need)
         store.to_disk_opt = self.optimizer
         store.offsets = [s[3] for s in sizes]
-        if not accumulates:
-            for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
-                if n_grad:
-                    store.grads[i] = store.create(i, unit.name, "grad", n_grad, place.param_dtype or unit.trainable.dtype,
-                                                  grad_start)
+        for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
+            if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
+                dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
+                store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
         return store
 
 
