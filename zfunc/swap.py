@@ -456,9 +456,6 @@ class SwapStore:
                 "then build the state again (step.init) or load your last checkpoint"
             )
 
-    def disk_bytes(self) -> int:
-        return sum(f.nbytes for pid in self._mine for _, f, _ in [_files[pid]])
-
     def resident_bytes(self) -> int:
         """Bytes of the buffers this store keeps between steps: the pool and the update's arenas."""
         return self.pool.resident_bytes() + sum(a.numel() for a in self.arenas)
