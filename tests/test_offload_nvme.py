@@ -158,9 +158,10 @@ def _hwm() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def bounded_run(path: str, depths: tuple[int, ...]) -> list[dict]:
+def bounded_run(path: str, depths: tuple[int, ...], micro: int | None = None) -> list[dict]:
     """Models built on the meta device whose model states are many times the swap buffers,
-    each trained 2 steps under zero3(offload_nvme); what the accounting and the kernel say."""
+    each trained 2 steps under zero3(offload_nvme) (with ``micro`` micro-batches: accumulating
+    in the gradient files); what the accounting and the kernel say."""
     torch.manual_seed(0)
     unit = 512 * 512 + 512  # 1 MiB units: big buffers are their own mappings (zfunc.buffers)
     running = [Wide(depth=2)]
@@ -168,9 +169,11 @@ def bounded_run(path: str, depths: tuple[int, ...]) -> list[dict]:
     def loss_fn(p, b):
         return zf.apply(running[0], p, b).square().mean()
 
-    step = zf.zero3(zf.offload_nvme(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), path, buffer_count=4,
-                                    buffer_size=unit, sub_group_size=unit))
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
+    step = zf.accumulate(step, micro) if micro else step
+    step = zf.zero3(zf.offload_nvme(step, path, buffer_count=4, buffer_size=unit, sub_group_size=unit))
     x = torch.randn(4, 512)
+    x = [x[:2], x[2:]] if micro else x
     with step.init(running[0]) as warm:  # load the code paths (and native ops) once
         step(warm, x)
     out = []
@@ -219,6 +222,15 @@ def test_memory_is_bounded_by_the_buffers_and_files_are_named_and_sized(tmp_path
         assert name.endswith(f".fp32.0_{unit}.swp") and name.split(".")[-4] in kinds, name
         assert size == 4 * unit
     assert f"u002-layers.2.exp_avg.fp32.0_{unit}.swp" in small["files"]
+
+
+def test_memory_stays_bounded_when_accumulating(tmp_path):
+    """Two micro-batches: each unit's fp32 sum waits in its gradient file, not in RAM."""
+    small, big = workers(1).run(bounded_run, str(tmp_path), (12, 48), 2)[0]
+    b, s = 16 * big["unit"] * 48, 16 * small["unit"] * 12
+    assert big["peak"] - small["peak"] < (b - s) / 4, (small["peak"], big["peak"])
+    assert big["peak"] < b / 4, big["peak"]
+    assert big["metrics"]["nvme"]["bytes_read"] > 4 * big["unit"] * 48  # the sums, read back once
 
 
 # ------------------------------------------------------------------ lifecycle and bad input
