@@ -105,12 +105,7 @@ def table(results, args, bandwidth):
         return statistics.median(r[key] for r in results[m])
 
     def ratio(m, other):
-        if other not in modes:
-            return None
-        a = {r["repeat"]: r["median_step_s"] for r in results[m]}
-        b = {r["repeat"]: r["median_step_s"] for r in results[other]}
-        common = sorted(set(a) & set(b))
-        return statistics.median(a[k] / b[k] for k in common) if common else None
+        return zvf.per_repeat_ratio(results, m, other) if other in modes else None
 
     def fmt(x, spec=".2f"):
         return "" if x is None else format(x, spec)

@@ -380,11 +380,7 @@ def table(results, args):
     b, mismatches = summary[base], []
 
     def time_ratio(m, other):
-        """Median over repeats of m's step time / other's in the same repeat: the
-        machine drifts between repeats more than modes differ within one."""
-        t = {o: {r.get("repeat", i): r["median_step_s"] for i, r in enumerate(results[o])} for o in (m, other)}
-        common = sorted(set(t[m]) & set(t[other]))
-        return statistics.median(t[m][k] / t[other][k] for k in common) if common else float("nan")
+        return per_repeat_ratio(results, m, other)
 
     ddp = "ddp" if "ddp" in summary and base != "ddp" else None
     lines = [f"| mode | median step s | time / {base} |" + (" time / ddp |" if ddp else "")
@@ -408,6 +404,14 @@ def table(results, args):
         if len({r["final_loss"] for r in results[m]}) > 1:
             mismatches.append(f"{mode_label(m, precision)} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
     return "\n".join(lines), summary, mismatches
+
+
+def per_repeat_ratio(results, m, other):
+    """Median over repeats of m's step time / other's in the same repeat (nan if none in
+    common): the machine drifts between repeats more than modes differ within one."""
+    t = {o: {r.get("repeat", i): r["median_step_s"] for i, r in enumerate(results[o])} for o in (m, other)}
+    common = sorted(set(t[m]) & set(t[other]))
+    return statistics.median(t[m][k] / t[other][k] for k in common) if common else float("nan")
 
 
 def formula_per_param(mode, precision, world):

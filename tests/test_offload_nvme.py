@@ -375,7 +375,6 @@ def _mount_tmpfs(path, size: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="tmpfs is Linux's")
 def test_a_really_full_disk(tmp_path):
     """On a real 1 MiB tmpfs (where this machine lets us mount one): a state too big for it fails
     at init naming the bytes; one that fits keeps training after the disk fills up, since its

@@ -64,11 +64,7 @@ class GradSink:
     def _done(self, unit, acc: torch.Tensor) -> torch.Tensor:
         """This micro-batch's part is in ``acc``: on disk, write it out and let it go."""
         if self.store is not None:
-            store, placeholder = self.store, self.store.grads[unit.index]
-            store.grad_stats[id(placeholder)] = cpu_adam.nonfinite_and_sq_norm([acc])
-            store.wait(store.writer, "writing gradients", store.UNCHANGED)  # one in flight
-            store.arm("grad", store.writer)
-            store.write(store.writer, acc, placeholder, 0, store.UNCHANGED)
+            self.store.write_gradient(acc, self.store.grads[unit.index], cpu_adam.nonfinite_and_sq_norm([acc]))
             self.on_file.add(unit.index)
             self.acc.pop(unit.index, None)
         return acc

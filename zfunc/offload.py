@@ -23,6 +23,8 @@ inside the ZeRO stage: ``zero3(offload_cpu(mixed_precision(f)))``.
 """
 from __future__ import annotations
 
+import abc
+
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -38,7 +40,7 @@ from .transform import Transform, check_inside_zero
 from .tree import Params
 
 
-class GradOffHome:
+class GradOffHome(abc.ABC):
     """A grad sink (see zfunc.accumulate) that sends each unit's gradient home the moment autograd
     is done with the unit and hands the reduced gradient to ``_store`` (a host copy, a swap
     file). A unit used more than once in forward has its gradients added first, as autograd would."""
@@ -63,8 +65,9 @@ class GradOffHome:
         pending = placement.send_home_start(unit.place, grad_full, unit.group, out_dtype=unit.anchor.dtype)
         unit.tracker.reducing(pending.then(lambda g: self._store(unit, g), pending.out))
 
+    @abc.abstractmethod
     def _store(self, unit, g: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Take unit ``unit``'s reduced gradient ``g`` home."""
 
 
 class GradToHost(GradOffHome):
@@ -156,20 +159,31 @@ class Offload(Transform):
         return self.pin_memory and torch.cuda.is_available()  # pinning needs a CUDA driver
 
     def wrap_grad(self, grad_fn):
-        if getattr(grad_fn, "accumulates", False):  # accumulate inside: its sums are copied in the update
-            return grad_fn
-
-        def run(params, batch, *, sink=None, **kw):
-            if sink is not None:  # accumulate outside hands its own sink
-                return grad_fn(params, batch, sink=sink, **kw)
+        def sink(params):
             on_host = all(t is None or t.device.type == "cpu" for t in params.leaves)
             if on_host and not self.copy_early_on_host:  # nothing to copy: autograd hands them on
-                return grad_fn(params, batch, **kw)
-            to_host = GradToHost(grad_spec(params.spec), self._pin)
-            out = grad_fn(params, batch, sink=to_host, **kw)
-            return out._replace(grads=to_host.finish())
+                return None
+            return GradToHost(grad_spec(params.spec), self._pin)
 
-        return run
+        return with_grad_sink(grad_fn, sink)
+
+
+def with_grad_sink(grad_fn, make_sink):
+    """``grad_fn`` handing each unit's gradient to ``make_sink(params)`` (a ``GradOffHome``; None:
+    autograd's own way), whose ``finish()`` gives the step its gradients. Under ``accumulate``
+    its own sink is used instead: inside, it hands one per micro-batch; outside, it passes one in."""
+    if getattr(grad_fn, "accumulates", False):
+        return grad_fn
+
+    def run(params, batch, *, sink=None, **kw):
+        if sink is None:
+            sink = make_sink(params)
+            if sink is not None:
+                out = grad_fn(params, batch, sink=sink, **kw)
+                return out._replace(grads=sink.finish())
+        return grad_fn(params, batch, sink=sink, **kw)
+
+    return run
 
 
 def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:

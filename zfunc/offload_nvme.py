@@ -40,6 +40,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -49,7 +50,7 @@ import torch
 from . import dist, layout, swap
 from .buffers import trim as trim_heap
 from .grad import grad_spec
-from .offload import GradOffHome
+from .offload import GradOffHome, with_grad_sink
 from .ops import cpu_adam
 from .optim import GradInfo, Optimizer, apply_update, fusing
 from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
@@ -314,16 +315,14 @@ class _Update:
                     store.arm("update", handle)
                     self._write_back(group, bufs, new_p, new_nodes, handle)
                     if last:
-                        store.keep_resident((first + n) % self.SLOTS, group, bufs, handle, self._files(group, bufs))
+                        store.keep_resident((first + n) % self.SLOTS, group, bufs, handle, self._files(group))
                     store.wait(reader, "reading the optimizer state")
                     bufs = ahead
                 store.wait(writer, "writing the optimizer state")
         except BaseException as e:
-            for h in (reader, writer):
-                try:
+            for h in (reader, writer):  # nothing may still touch the staging sets; the first error is raised
+                with contextlib.suppress(OSError, EOFError):
                     h.wait()
-                except (OSError, EOFError):
-                    pass
             store.drop_resident(quiet=True)
             if wrote:
                 store.fail(f"the update of step failed after writing part of the state ({e})")
@@ -335,7 +334,7 @@ class _Update:
             nodes[k] = Params(self.nodes[k].spec, self.final[k])
         return Params(self.params.spec, self.p), SwapState(store, self.treedef.unflatten(nodes))
 
-    def _files(self, group, bufs) -> dict:
+    def _files(self, group) -> dict:
         """file -> ((role, key, unit), byte offset) for the buffers of ``group``'s staging set."""
         out = {}
         for i in group:
@@ -361,8 +360,7 @@ class GradToDisk(GradOffHome):
     def _store(self, unit, g: torch.Tensor) -> None:
         i, store = unit.index, self.store
         placeholder = store.grads[i]
-        sq, finite = cpu_adam.nonfinite_and_sq_norm([g])
-        store.grad_stats[id(placeholder)] = (sq, finite)
+        stats = cpu_adam.nonfinite_and_sq_norm([g])
         data, offset = g, 0
         if optimizer_slices(unit.place, self.spec.sharded[i]):  # only this rank's slice is ever read
             r, w = dist.rank(unit.group), dist.world_size(unit.group)
@@ -372,12 +370,11 @@ class GradToDisk(GradOffHome):
         path = store.file_of(placeholder).path
         held = store.resident_buffer(path)
         if held is not None:  # its sub-group is resident: the update reads it from there
+            store.grad_stats[id(placeholder)] = stats
             held.copy_(data)
             store.resident_grads.add(path)
             return
-        store.wait(store.writer, "writing gradients", store.UNCHANGED)  # one in flight: memory stays bounded
-        store.arm("grad", store.writer)
-        store.write(store.writer, data, placeholder, offset, store.UNCHANGED)
+        store.write_gradient(data, placeholder, stats, offset)
 
     def finish(self) -> Params:
         self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
@@ -416,17 +413,8 @@ class OffloadNvme(Transform):
         return swapped_optimizer(optimizer, self.sub_group_size)
 
     def wrap_grad(self, grad_fn):
-        if getattr(grad_fn, "accumulates", False):  # accumulate inside: its sink keeps the sums in the gradient files
-            return grad_fn
-
-        def run(params, batch, *, sink=None, **kw):
-            if sink is not None:  # accumulate outside hands its own sink
-                return grad_fn(params, batch, sink=sink, **kw)
-            to_disk = GradToDisk(swap.store_of(params.spec.swap), grad_spec(params.spec))
-            out = grad_fn(params, batch, sink=to_disk, **kw)
-            return out._replace(grads=to_disk.finish())
-
-        return run
+        return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
+                                                                 grad_spec(params.spec)))
 
     def open_store(self, step: Step, spec, places, group) -> swap.SwapStore:
         """At ``Step.init``: the state's swap folder, its free-space check and its gradient files."""

@@ -90,10 +90,10 @@ def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callab
     """Start turning the stored ``leaf`` into the full flat buffer.
 
     ``ready`` returns once the leaf's own values are complete (an update's
-    all-gather may still be filling a replicated leaf). A leaf on NVMe is read
-    in first by ``read_in`` (into a buffer of the store's pool, which the
-    all-gather, if any, gives back as soon as it is done): ``leaf`` is then
-    its placeholder and ``store`` the ``zfunc.swap.SwapStore`` holding it.
+    all-gather may still be filling a replicated leaf). A leaf on NVMe is
+    first read from ``store`` (its ``zfunc.swap.SwapStore``; ``leaf`` is then
+    the placeholder) into a pool buffer, which the all-gather, if any, gives
+    back as soon as it is done.
     """
     if place.param_home == NVME:
         read = store.read_start(leaf)
@@ -119,9 +119,9 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
 
     The reduction runs in ``place.reduce_dtype`` (default: the gradient's own);
     the result comes in ``out_dtype`` (default: the reduce dtype), in a tensor
-    that exists from the start and is filled by ``wait()``. It stays on the
-    gradient's device, since autograd hands it on as the unit's gradient;
-    offload's update moves it to ``place.grad_home``.
+    that exists from the start and is filled by ``wait()``, on the gradient's
+    device; a grad sink of offload (``GradToHost``, ``GradToDisk``) takes it
+    to ``place.grad_home`` from there.
     """
     reduce_dtype = place.reduce_dtype or grad_full.dtype
     out_dtype = out_dtype or reduce_dtype

@@ -26,6 +26,7 @@ fixed. ``close()`` removes the folder; so does interpreter exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import os
 import shutil
@@ -311,13 +312,19 @@ class SwapStore:
             err = getattr(e, "errno", None) or errno.EIO
             raise OSError(err, f"offload_nvme: {what} failed: {e}{hint}") from e
 
-    def read_now(self, out: torch.Tensor, file: SwapFile, offset: int = 0) -> torch.Tensor:
-        self.settle()  # a resident write to this file may be in flight
+    @contextlib.contextmanager
+    def _borrowed(self):
+        """An idle handle for the ``with`` block, given back after."""
         h = self._handle()
         try:
-            self._io(f"reading '{file.path}'", lambda: (h.pread(out, file.path, offset), h.wait()))
+            yield h
         finally:
             self._idle.append(h)
+
+    def read_now(self, out: torch.Tensor, file: SwapFile, offset: int = 0) -> torch.Tensor:
+        self.settle()  # a resident write to this file may be in flight
+        with self._borrowed() as h:
+            self._io(f"reading '{file.path}'", lambda: (h.pread(out, file.path, offset), h.wait()))
         self.bytes_read += out.numel() * out.element_size()
         return out
 
@@ -433,12 +440,18 @@ class SwapStore:
             self.write_now(values.to(placeholder.dtype), placeholder)
 
     def write_now(self, data: torch.Tensor, placeholder: torch.Tensor, offset: int = 0) -> None:
-        h = self._handle()
-        try:
+        with self._borrowed() as h:
             self.write(h, data, placeholder, offset)
             self.wait(h, f"writing '{self.file_of(placeholder).path}'")
-        finally:
-            self._idle.append(h)
+
+    def write_gradient(self, data: torch.Tensor, placeholder: torch.Tensor, stats: tuple[float, bool],
+                       offset: int = 0) -> None:
+        """Queue a unit's gradient (or its sum so far) into its file, one write in flight so memory
+        stays bounded; ``stats`` (sum of squares, finite) are what the step's agreement reads."""
+        self.grad_stats[id(placeholder)] = stats
+        self.wait(self.writer, "writing gradients", self.UNCHANGED)
+        self.arm("grad", self.writer)
+        self.write(self.writer, data, placeholder, offset, self.UNCHANGED)
 
     # --------------------------------------------------------------- lifecycle
 
