@@ -238,6 +238,56 @@ def meta_init_peak(units: int, width: int) -> dict:
     return {"peak": peak, "full": full, "held": state.params.nbytes(), "unit": 4 * (width * width + width)}
 
 
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def zero3_step_peak(blocks: int, width: int, steps: int, large_blocks: bool) -> dict:
+    """RSS a zero3 step needs above the state (meta-device init, so no eager model):
+    the peak over ``steps`` steps, and what stays resident after them, both above the
+    RSS right after init. ``large_blocks=False`` keeps torch's allocator (this
+    process only: it is a fresh one)."""
+    import os
+
+    if not large_blocks:
+        os.environ["ZFUNC_CPU_ALLOCATOR"] = "0"
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x
+
+    with torch.device("meta"):
+        model = Deep()
+    step = zf.zero3(zf.train_step(lambda p, b: zf.apply(model, p, b).square().mean(), zf.optim.adamw(1e-3)))
+    state = step.init(model)
+    g = torch.Generator().manual_seed(zf.dist.rank())
+    after_init = _rss()
+    _reset_peak()
+    for _ in range(steps):
+        state, _m = step(state, torch.randn(4, width, generator=g))
+    return {"peak": _peak() - after_init, "resident": _rss() - after_init, "state": state.params.nbytes(),
+            "unit": 4 * (width * width + width), "large_blocks": zf.ops.large_blocks.installed()}
+
+
 def nonfinite_on_rank0(stage: int) -> str:
     """A NaN in rank 0's batch only: every rank must raise, none may train on."""
     rank, world, model, shape_model, loss_fn = _setup("odd_mlp", {}, 0)

@@ -1,17 +1,17 @@
-"""Large buffers that live for part of a step: reused from a small pool, mapped from the OS.
+"""Large buffers that live for part of a step: a gathered unit, a unit's full gradient, init's flat copies.
 
-A gathered unit, a unit's full gradient and init's flat copy of a unit are
-made and dropped every step, interleaved with activations. Through glibc's
-malloc they land on the heap and the holes they leave stay resident under the
-activations allocated after them, so zero3's peak RSS drifts towards DDP's.
-Two remedies, both here:
+Made and dropped every step, interleaved with activations, they must neither
+stay resident after use nor be faulted in afresh each time. ``use_large_blocks``
+(called by ``Step.init``) makes torch's CPU allocator zfunc's large-block
+cache (zfunc.ops.large_blocks): every CPU tensor of 1 MiB or more, ours and
+autograd's alike, is then reused by size and bounded by the peak of live
+blocks, and the functions here are plain ``torch.empty``. Where that op
+cannot be built (or ``ZFUNC_CPU_ALLOCATOR=0``), two fallbacks cover our own
+buffers, though not autograd's:
 
 * ``take``/``give``: a freed CPU buffer whose storage nobody else holds goes
   to a pool keyed by size (at most ``PER_SIZE`` each) and the next gather of
-  that size reuses it: the pool is sized by the units in flight, the pages
-  stay mapped (on this machine kind a page fault is expensive: returning the
-  memory to the OS and faulting it back every step made steps about 20%
-  slower), and nothing is left behind in malloc's heap.
+  that size reuses it;
 * ``empty``: a new CPU buffer of at least ``MIN_BYTES`` is its own mapping
   (transparent huge pages where offered), so one dropped for good, such as
   init's flat copies, is given back to the OS at once.
@@ -22,17 +22,24 @@ import mmap
 
 import torch
 
+from .ops import large_blocks
+
 MIN_BYTES = 1 << 20  # below this, malloc's heap is the better place
 PER_SIZE = 2  # free buffers kept per (size, dtype): enough for the units in flight
 _HUGE = getattr(mmap, "MADV_HUGEPAGE", None)
 _pool: dict[tuple, list[torch.UntypedStorage]] = {}
 
 
+def use_large_blocks() -> bool:
+    """Install the large-block CPU allocator if it can be (once per process); True if in use."""
+    return large_blocks.install()
+
+
 def empty(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialized 1-D tensor; on CPU and at least ``MIN_BYTES``, in its own mapping."""
     device = torch.device(device)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < MIN_BYTES:
+    if device.type != "cpu" or nbytes < MIN_BYTES or large_blocks.installed():
         return torch.empty(numel, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes)  # zero-filled by the OS
     if _HUGE is not None:
@@ -43,12 +50,12 @@ def empty(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
 
 def zeros(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     t = empty(numel, dtype, device)
-    return t if _mapped(t) else t.zero_()
+    return t if _mapped(t) else t.zero_()  # a fresh mapping is zero-filled by the OS
 
 
 def take(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A buffer of ``numel`` elements: a fresh tensor over pooled storage if any, else ``empty``."""
-    free = _pool.get((numel, dtype, torch.device(device)))
+    free = None if large_blocks.installed() else _pool.get((numel, dtype, torch.device(device)))
     if not free:
         return empty(numel, dtype, device)
     return torch.empty(0, dtype=dtype, device=device).set_(free.pop(), 0, (numel,))
@@ -61,7 +68,7 @@ def give(t: torch.Tensor) -> None:
     tensor with no autograd history.
     """
     if not _mapped(t) or t.storage_offset() or not t.is_contiguous():
-        return
+        return  # (the large-block allocator, when installed, already reuses it)
     storage = t.untyped_storage()
     if storage.nbytes() != t.numel() * t.element_size():
         return
@@ -73,15 +80,14 @@ def give(t: torch.Tensor) -> None:
 
 
 def trim() -> None:
-    """Give malloc's free heap memory back to the OS (glibc's ``malloc_trim``; elsewhere a no-op).
+    """Give cached and free heap memory back to the OS: the large-block cache, then glibc's
+    ``malloc_trim`` (elsewhere a no-op).
 
-    Per-unit temporaries under 32 MiB (torch's own allocations: a unit's init,
-    autograd's weight gradients) come from malloc's heap once its mmap threshold
-    has risen, and the free space they leave stays resident behind small live
-    objects. ``offload_nvme``, whose point is a resident size independent of the
-    model, trims after each unit of its init. Not per step: memory given back is
+    ``offload_nvme``, whose point is a resident size independent of the model,
+    trims after each unit of its init. Not per step: memory given back is
     faulted in again by the next step (that cost about 10% of a step here).
     """
+    large_blocks.empty_cache()
     if _libc is not None:
         _libc.malloc_trim(0)
 
@@ -106,4 +112,5 @@ def clear() -> None:
 
 
 def _mapped(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES
+    """Made by ``empty``'s own mapping (not by the large-block allocator)."""
+    return t.device.type == "cpu" and t.numel() * t.element_size() >= MIN_BYTES and not large_blocks.installed()

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import dist, layout, lazy, swap
-from .buffers import trim as trim_heap
+from .buffers import trim as trim_heap, use_large_blocks
 from .grad import forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .optim import GradInfo, apply_update
@@ -153,6 +153,7 @@ class Step:
         run the model with ``zf.apply`` inside ``loss_fn``.
         """
         dist.check_launch()
+        use_large_blocks()  # from here on, large CPU temporaries are reused, not left in malloc's heap
         group = self.group
         w, r = dist.world_size(group), dist.rank(group)
         spec = build_spec(model, self.units, w)

@@ -18,6 +18,7 @@ OPS = {
     "zfunc.ops.cpu_adam": "load",
     "zfunc.ops.cuda_adam": "load",
     "zfunc.ops.aio": "backend_status",
+    "zfunc.ops.large_blocks": "load",
 }
 
 
