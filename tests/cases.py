@@ -19,13 +19,15 @@ def is_linear(name: str, module: nn.Module) -> bool:
 
 def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | None = None,
             units_via: str = "zero3", evaluate: bool = False, precision: dict | None = None,
-            micro: int | None = None, precision_outside: bool = False, opt=None, offload: dict | None = None):
+            micro: int | None = None, precision_outside: bool = False, opt=None, offload: dict | None = None,
+            prefetch: dict | None = None):
     """The step for ``stage``; ``units_via`` says where the unit policy is given:
     ``zero3(units=)``, ``train_step(units=)``, or ``zf.units`` inside or outside the stage.
     ``precision``: ``zf.mixed_precision``'s keywords; ``micro``: ``zf.accumulate``'s n,
     inside ``mixed_precision`` unless ``precision_outside`` is False (then outside);
     ``offload``: ``{"kind": "cpu" | "nvme", **keywords}``, outside both, inside the stage
-    (``"under_accumulate": True``: inside ``accumulate``, which then goes outside precision)."""
+    (``"under_accumulate": True``: inside ``accumulate``, which then goes outside precision);
+    ``prefetch``: zero3's coordinator keywords (``prefetch_bucket_size``, ``max_live_parameters``)."""
     if evaluate:
         base = zf.eval_step(loss_fn, units=units if units_via == "base" else None)
     else:
@@ -51,7 +53,8 @@ def compose(stage: int, loss_fn, units=None, threshold: int = 0, clip: float | N
     elif stage == 2:
         step = zf.zero2(step)
     elif stage == 3:
-        step = zf.zero3(step, units=units if units_via == "zero3" else None, persistence_threshold=threshold)
+        step = zf.zero3(step, units=units if units_via == "zero3" else None, persistence_threshold=threshold,
+                        **(prefetch or {}))
     return zf.units(step, units) if units_via == "outer" else step
 
 
@@ -81,20 +84,21 @@ def seeded_init(module) -> None:
 
 def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2, seed: int = 0,
               units=None, threshold: int = 0, clip: float | None = None, units_via: str = "zero3",
-              free_model: bool = True, skips=None, meta: bool = False) -> dict:
+              free_model: bool = True, skips=None, meta: bool = False, prefetch: dict | None = None) -> dict:
     """``steps`` zfunc steps on this rank's part of each global batch.
 
     ``skips[i]``: the block the ``skipping`` model leaves out at step ``i``.
     ``meta``: build the model on the meta device and init it unit by unit.
+    ``prefetch``: zero3's coordinator keywords; ``result["prefetch"]`` has each step's metrics.
     """
     rank, world, model, shape_model, loss_fn = _setup(name, kw, seed)
     if meta:
         with torch.device("meta"):
             model = build(name, seed, **kw)
         loss_fn = _setup_loss(name, model)
-    step = compose(stage, loss_fn, units, threshold, clip, units_via)
+    step = compose(stage, loss_fn, units, threshold, clip, units_via, prefetch=prefetch)
     state = step.init(model, free_model=free_model, init_fn=seeded_init if meta else None)
-    losses, grad_bytes, peak = [], [], []
+    losses, grad_bytes, peak, prefetched = [], [], [], []
     for i in range(steps):
         if skips is not None:
             model.skip = skips[i]
@@ -103,6 +107,7 @@ def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2
         losses.append(metrics["loss"].item())
         grad_bytes.append(metrics["grad_bytes"])
         peak.append(metrics["peak_materialized_bytes"])
+        prefetched.append(metrics["prefetch"])
     evaluate = compose(stage, loss_fn, units, threshold, units_via=units_via, evaluate=True)
     eval_b = local(batch(name, shape_model, steps, per_rank * world, seed), rank, world)
     # eval first: it reads the state straight out of the step, with stage 1/2
@@ -114,6 +119,7 @@ def run_zfunc(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 2
         "memory": zf.memory_report(state),
         "grad_bytes": grad_bytes,
         "peak": max(peak),
+        "prefetch": prefetched,
         "losses": losses,
         "eval_loss": eval_loss,
         "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],

@@ -29,15 +29,20 @@ def test_model_state_bytes_follow_zero_formulas(stage, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero3_materializes_at_most_two_units_plus_root(world):
+def test_zero3_keeps_gathered_units_within_max_live_parameters(world):
+    """With a budget of the two largest units plus the root, the coordinator never lets
+    more be gathered or in flight at once; with the default budget it prefetches more."""
     name, kw = MODEL
-    for r in workers(world).run(run_zfunc, name, kw, 3, 2, 2):
-        sizes = {unit: 4 * padded for unit, _, padded in r["units"]}
-        root = sizes.pop("", 0)
-        two_largest = sum(sorted(sizes.values())[-2:])
-        assert 0 < r["peak"] <= two_largest + root
-        # and it is far below materializing the whole model at once
-        assert r["peak"] < 4 * sum(p for _, _, p in r["units"])
+    [probe, *_] = workers(world).run(run_zfunc, name, kw, 3, 3, 2)
+    sizes = {unit: padded for unit, _, padded in probe["units"]}
+    root = sizes.pop("", 0)
+    budget = sum(sorted(sizes.values())[-2:]) + root
+    for r in workers(world).run(run_zfunc, name, kw, 3, 3, 2, 0, None, 0, None, "zero3", True, None, False,
+                                {"max_live_parameters": budget}):
+        assert 0 < r["peak"] <= 4 * budget
+        assert all(m["max_live_elements"] <= budget for m in r["prefetch"])
+        assert all(m["hits"] > 0 for m in r["prefetch"][1:])  # it still prefetches, within the budget
+    assert 4 * budget < probe["peak"] < 4 * sum(p for _, _, p in probe["units"]) + 1
 
 
 @pytest.mark.parametrize("world", [2, 3])

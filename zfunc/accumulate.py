@@ -127,14 +127,15 @@ class Accumulate(Transform):
         def run(params, batch, **kw):
             micro = self.micro_batches(batch)
             sink = GradSink(grad_spec(params.spec))
-            losses, auxes, peak = [], [], 0
+            losses, auxes, peak, prefetch = [], [], 0, ()
             for i, mb in enumerate(micro):
                 sink.last = i == len(micro) - 1
                 out = grad_fn(params, mb, sink=sink, **kw)
                 losses.append(out.loss)
                 auxes.append(out.aux)
                 peak = max(peak, out.peak)
-            return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n)
+                prefetch += out.prefetch
+            return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n, prefetch)
 
         run.accumulates = True  # it hands every micro-batch its own sink (zfunc.offload_nvme looks)
         return run

@@ -29,6 +29,7 @@ from torch import nn
 from torch.func import functional_call
 
 from . import dist, layout, lazy
+from . import coordinator as coordination
 from .materialize import Tracker, Units
 from .placement import grad_is_shard
 from .pytree import tree_flatten, tree_map, tree_unflatten
@@ -225,11 +226,17 @@ def materialized(params: Params, frozen: Params | None, buffers: Mapping, *, dif
     """The set-up every step shares: units of ``params`` (and ``frozen``) ready to
     materialize on access, the ``ParamView`` handed to ``loss_fn``, its tracker."""
     tracker = Tracker()
+    coordinator = coordination.current()
+    tracker.run = None if coordinator is None else coordinator.begin()
     trainable = Units(params, tracker, differentiable=differentiable)
-    frozen_units = Units(frozen, tracker) if frozen is not None else None
+    frozen_units = Units(frozen, tracker, kind="f") if frozen is not None else None
     view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
+    if tracker.run is not None:
+        tracker.run.start()
     try:
         yield view, tracker, trainable.anchors
+        if tracker.run is not None:
+            tracker.prefetch = (tracker.run.finish(),)  # only a pass that completed records its order
     finally:
         view.close()
         view.restore_models()
@@ -254,6 +261,7 @@ class GradOut(NamedTuple):
     grads: Params  # in the home representation; None for a unit no rank on this one used
     peak: int  # most bytes of gathered units alive at once
     grad_scale: float = 1.0  # the true gradients are grads times this (1/loss scale, 1/micro-batches)
+    prefetch: tuple = ()  # the coordinator's metrics of each pass (zfunc.coordinator)
 
 
 def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
@@ -276,7 +284,7 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
             tracker.finish()
             peak = tracker.peak
         return GradOut(loss.detach(), aux, Params(grad_spec(params.spec), grads), peak,
-                       1.0 if scale is None else 1.0 / scale)
+                       1.0 if scale is None else 1.0 / scale, tracker.prefetch)
 
     return run
 
@@ -317,9 +325,11 @@ def value_and_grad(loss_fn: Callable, has_aux: bool = False):
     ``buffers=`` pass the state's frozen parameters and buffers.
     """
     inner = value_and_grad_with_stats(loss_fn, has_aux)
+    coordinator = coordination.Coordinator(coordination.Prefetch())  # its traces persist across calls
 
     def run(params, batch, **kw):
-        loss, aux, grads, *_ = inner(params, batch, **kw)
+        with coordination.active(coordinator):
+            loss, aux, grads, *_ = inner(params, batch, **kw)
         if isinstance(grads, Params):
             grads = zeros_for_unused(grads)
         return ((loss, aux) if has_aux else loss), grads

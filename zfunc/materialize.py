@@ -13,13 +13,11 @@ replaces any saved view of one with a small handle, and the unpack hook
 re-gathers the unit (once per backward; released when the unit's own backward
 runs).
 
-Communication overlaps compute: while a unit runs, the next unit's all-gather
-is already in flight (module order in forward, the reverse of the recorded
-forward order in backward), and gradient reductions are started
-asynchronously and waited for once backward is over. At most one unit is
-prefetched at a time, so ZeRO-3 keeps at most two units and the root whole. The
-root, and the unit forward released last, stay gathered from forward into backward,
-which needs them first.
+Communication overlaps compute: the step's coordinator (zfunc.coordinator)
+starts the reads and all-gathers of the units the recorded trace says come
+next, within its budgets, and gradient reductions are started asynchronously
+and waited for once backward is over. The root, and the unit forward released
+last, stay gathered from forward into backward, which needs them first.
 """
 from __future__ import annotations
 
@@ -35,11 +33,12 @@ from .tree import Params
 class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
-    __slots__ = ("index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers", "tracker",
+    __slots__ = ("key", "index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers", "tracker",
                  "uses", "pending", "full", "full_numel", "device", "store", "stored")
 
-    def __init__(self, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None, store=None,
+    def __init__(self, key, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None, store=None,
                  stored=None):
+        self.key = key  # names the unit in the coordinator's trace: ("p" or "f", index)
         self.index = index
         self.leaf = leaf
         self.ready = ready  # returns once the leaf's values are complete (Params.leaf_when_ready)
@@ -69,11 +68,17 @@ class _Unit:
 
     def gather(self) -> torch.Tensor:
         """The full flat buffer: the prefetched one if any, else materialized now."""
+        run = self.tracker.run
+        if run is not None:
+            run.using(self)  # counts a hit or a miss, and prefetches what comes next
         self.prefetch()
         if self.pending is None:
             return self._start().wait()
         pending, self.pending = self.pending, None
-        return pending.wait()
+        if run is None:
+            return pending.wait()
+        with run.waiting():
+            return pending.wait()
 
     def give(self, buf: torch.Tensor) -> None:
         """Hand back a buffer materializing made: to the swap pool if it came from there."""
@@ -158,27 +163,34 @@ class Tracker:
         self.starts: dict[_Unit, int] = {}  # unit -> where its latest buffer starts in its storage
         self.backward_cache: dict[_Unit, torch.Tensor] = {}  # unit -> buffer for backward
         self.backward_started: set[_Unit] = set()  # units backward has asked for
-        self.order: list[_Unit] = []  # gathering units in the order forward first used them
         self.reductions: list[dist.Pending] = []
         self.units: list[_Unit] = []
         self.by_name: dict[str, _Unit] = {}  # canonical parameter name -> its unit
         self.current = 0
         self.peak = 0
         self.sink = None  # a GradSink while accumulating (zfunc.accumulate)
+        self.run = None  # the coordinator's pass (zfunc.coordinator.Run), if prefetching
+        self.prefetch: tuple = ()  # its metrics, once the pass completed
 
     def allocated(self, buf: torch.Tensor) -> None:
         self.current += buf.numel() * buf.element_size()
         self.peak = max(self.peak, self.current)
+        if self.run is not None:
+            self.run.allocated(buf.numel())
 
     def freed(self, buf: torch.Tensor) -> None:
         self.current -= buf.numel() * buf.element_size()
+        if self.run is not None:
+            self.run.freed(buf.numel())
+
+    def holds(self, unit: _Unit) -> bool:
+        """Whether ``unit`` has a gathered buffer alive now."""
+        return unit in self.backward_cache or any(u is unit for u in self.live.values())
 
     def gathered(self, unit: _Unit, buf: torch.Tensor) -> None:
         if unit.gathers:
             self.live[buf.untyped_storage().data_ptr()] = unit
             self.starts[unit] = buf.storage_offset()
-            if unit not in self.order:
-                self.order.append(unit)
 
     def _give_back(self, unit: _Unit, buf: torch.Tensor) -> None:
         self.freed(buf)
@@ -238,18 +250,8 @@ class Tracker:
             with torch.no_grad():
                 buf = unit.gather()
             self.backward_cache[unit] = buf
-        if unit not in self.backward_started:  # backward reached this unit: start the next gather
-            self.backward_started.add(unit)
-            self._prefetch_before(unit)
+        self.backward_started.add(unit)
         return buf
-
-    def _prefetch_before(self, unit: _Unit) -> None:
-        """Start gathering the unit forward used before ``unit``: backward needs it next."""
-        i = self.order.index(unit) if unit in self.order else 0
-        for earlier in reversed(self.order[:i]):
-            if earlier not in self.backward_cache:
-                earlier.prefetch()
-                return
 
     def release_backward(self, unit: _Unit) -> None:
         buf = self.backward_cache.pop(unit, None)
@@ -295,7 +297,7 @@ class Units:
     whose gradient is the unit's gradient in its home representation.
     """
 
-    def __init__(self, params: Params, tracker: Tracker, differentiable: bool = False):
+    def __init__(self, params: Params, tracker: Tracker, differentiable: bool = False, kind: str = "p"):
         spec = params.spec
         self.spec = spec
         self.tracker = tracker
@@ -315,14 +317,16 @@ class Units:
                 anchor.requires_grad_()
             elif differentiable:
                 leaf.requires_grad_()
-            self.units.append(_Unit(i, leaf, ready, place, spec.segment(i), group, tracker, anchor,
+            self.units.append(_Unit((kind, i), i, leaf, ready, place, spec.segment(i), group, tracker, anchor,
                                     store if stored is not None else None, stored))
             for entry in spec.segment(i).entries:
                 tracker.by_name[entry.name] = self.units[-1]
         self.anchors = [u.anchor for u in self.units]
         tracker.units.extend(self.units)
-        gathering = [u for u in self.units if u.gathers and u.leaf.numel()]
-        self._next = {a.index: b for a, b in zip(gathering, gathering[1:])}
+        if tracker.run is not None:
+            for unit in self.units:
+                if unit.gathers and unit.leaf.numel():
+                    tracker.run.register(unit)
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.refs: dict[int, int] = {}
@@ -346,8 +350,6 @@ class Units:
                 views = dict(zip((e.name for e in segment.entries), Materialize.apply(unit.anchor, unit)))
                 full, unit.full = unit.full, None
                 self.tracker.gathered(unit, full)
-                if index in self._next:
-                    self._next[index].prefetch()
             self.buffers[index] = full
             self.views[index] = views
             self.refs[index] = 0

@@ -49,6 +49,7 @@ import torch
 
 from . import dist, layout, swap
 from .buffers import trim as trim_heap
+from .coordinator import prefetch_settings
 from .grad import grad_spec
 from .offload import GradOffHome, with_grad_sink
 from .ops import cpu_adam
@@ -389,7 +390,8 @@ class OffloadNvme(Transform):
     family = "offload"
 
     def __init__(self, path, params: bool, optimizer: bool, buffer_count: int, buffer_size: int,
-                 sub_group_size: int, aio: dict | None):
+                 sub_group_size: int, aio: dict | None, prefetch=None):
+        self.prefetch = prefetch  # the coordinator's settings, if given here
         self.path, self.params, self.optimizer = path, params, optimizer
         self.buffer_count, self.buffer_size, self.sub_group_size = buffer_count, buffer_size, sub_group_size
         self.aio = aio
@@ -471,7 +473,8 @@ def _optimizer_bytes_per_element(optimizer) -> int:
 
 
 def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = True, buffer_count: int = 5,
-                 buffer_size: int = int(1e8), sub_group_size: int = int(1e9), aio: dict | None = None) -> Step:
+                 buffer_size: int = int(1e8), sub_group_size: int = int(1e9), aio: dict | None = None,
+                 prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None) -> Step:
     """Keep parameters, gradients and optimizer state in swap files under ``path`` (module docstring).
 
     ``params``: parameter shards on disk too (needs zero3, or no stage);
@@ -481,6 +484,8 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     staging sets); ``aio``: DeepSpeed's ``aio`` config section for
     ``zfunc.ops.aio``. The state owns its files: ``state.close()`` (or a
     ``with`` block) removes them; so does interpreter exit.
+    ``prefetch_bucket_size`` and ``max_live_parameters``: how far ahead units
+    are read (and gathered), as for ``zero3`` (which wins if both give them).
     """
     if not isinstance(step, Step):
         raise TypeError(f"offload_nvme transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
@@ -491,4 +496,4 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"offload_nvme: {key} must be a positive number, got {value!r}")
     return step.then(OffloadNvme(path, bool(params), bool(optimizer), int(buffer_count), int(buffer_size),
-                                 int(sub_group_size), aio))
+                                 int(sub_group_size), aio, prefetch_settings(prefetch_bucket_size, max_live_parameters)))

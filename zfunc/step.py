@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import dist, layout, lazy, swap
+from . import coordinator as coordination, dist, layout, lazy, swap
 from .buffers import trim as trim_heap, use_large_blocks
 from .grad import forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
@@ -80,6 +80,7 @@ class Step:
         transform.check(self.transforms)
         new = object.__new__(type(self))
         new.__dict__.update(self.__dict__, transforms=(transform, *self.transforms))
+        new.__dict__.pop("_coordinator", None)  # a new composition records its own traces
         return new
 
     @property
@@ -102,6 +103,15 @@ class Step:
         return None if precision is None else precision.scaler
 
     _base_name = "train_step"
+
+    def coordinator(self) -> coordination.Coordinator:
+        """This step's coordinator (one per step function; its traces persist across calls),
+        with the settings of the outermost transform that gives them (zero3, offload_nvme)."""
+        if "_coordinator" not in self.__dict__:
+            settings = next((t.prefetch for t in self.transforms if getattr(t, "prefetch", None) is not None),
+                            coordination.Prefetch())
+            self.__dict__["_coordinator"] = coordination.Coordinator(settings)
+        return self.__dict__["_coordinator"]
 
     @property
     def group(self):
@@ -226,11 +236,13 @@ class Step:
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
         io_before = swap.io_counts(state)
-        loss, aux, grads, peak, grad_scale = self._grad_part()(state.params, batch, frozen=state.frozen,
-                                                               buffers=buffers, scale=scale)
+        with coordination.active(self.coordinator()):
+            out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
+        loss, aux, grads, grad_scale = out.loss, out.aux, out.grads, out.grad_scale
         agreed = _agree(loss, grads, self.group)
-        metrics = {"loss": agreed.loss, "grad_bytes": grads.nbytes(), "peak_materialized_bytes": peak,
-                   "skipped": False, "grad_norm": math.sqrt(agreed.sq_norm) * grad_scale}
+        metrics = {"loss": agreed.loss, "grad_bytes": grads.nbytes(), "peak_materialized_bytes": out.peak,
+                   "skipped": False, "grad_norm": math.sqrt(agreed.sq_norm) * grad_scale,
+                   "prefetch": coordination.merge(out.prefetch)}
         if self.has_aux:
             metrics["aux"] = aux
         if scaler is not None:
@@ -334,12 +346,16 @@ class EvalStep(Step):
         accumulate = self._transform("accumulate")
         micro = accumulate.micro_batches(batch) if accumulate is not None else [batch]
         losses, auxes = [], []
+        passes = ()
         for mb in micro:
-            with materialized(state.params, state.frozen, self._buffers(state), differentiable=False) as (view, tracker, _):
+            with coordination.active(self.coordinator()), materialized(
+                    state.params, state.frozen, self._buffers(state), differentiable=False) as (view, tracker, _):
                 out = forward(self.loss_fn, view, tracker, mb)
+            passes += tracker.prefetch
             losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
             auxes.append(out[1] if self.has_aux else None)
-        metrics = {"loss": dist.all_reduce_mean(torch.stack(losses).mean(), self.group)}
+        metrics = {"loss": dist.all_reduce_mean(torch.stack(losses).mean(), self.group),
+                   "prefetch": coordination.merge(passes)}
         if self.has_aux:
             metrics["aux"] = auxes if accumulate is not None else auxes[0]
         return metrics

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import dist
+from .coordinator import Prefetch, prefetch_settings
 from .optim import Optimizer, apply_update, fusing
 from .placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
 from .step import Step
@@ -28,10 +29,11 @@ from .transform import Transform, Units
 class Zero(Transform):
     family = "zero"
 
-    def __init__(self, stage: int, group=None, persistence_threshold: int = 0):
+    def __init__(self, stage: int, group=None, persistence_threshold: int = 0, prefetch: Prefetch | None = None):
         self.stage = stage
         self.group = group
         self.persistence_threshold = persistence_threshold
+        self.prefetch = prefetch  # the coordinator's settings, if given here
 
     @property
     def name(self) -> str:
@@ -96,18 +98,24 @@ def zero2(step: Step, *, group=None) -> Step:
     return _zero(step, 2, group)
 
 
-def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0) -> Step:
+def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
+          prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None) -> Step:
     """Shard parameters too: each unit is gathered just before its module runs.
 
     ``units``: ``None`` (each child of every ``nn.ModuleList`` plus a root
     unit), a list of module names, or a predicate ``(name, module) -> bool``;
     the same as ``zf.units(step, units)``. Units with fewer than
     ``persistence_threshold`` elements stay replicated (and in memory under
-    ``offload_nvme``).
+    ``offload_nvme``). ``prefetch_bucket_size``: how many elements ahead of
+    use the coordinator gathers, along the order recorded in the first step
+    (0: on demand only; default DeepSpeed's 5e7); ``max_live_parameters``:
+    the most elements it lets be gathered or in flight when it prefetches
+    (default DeepSpeed's 1e9). See zfunc.coordinator.
     """
     if units is not None:
         step = set_units(step, units)
-    return _zero(step, 3, group, persistence_threshold=persistence_threshold)
+    prefetch = prefetch_settings(prefetch_bucket_size, max_live_parameters)
+    return _zero(step, 3, group, persistence_threshold=persistence_threshold, prefetch=prefetch)
 
 
 def set_units(step: Step, policy) -> Step:
