@@ -199,7 +199,26 @@ class Skipping(DeepMLP):
         return self.out(x)
 
 
-MODELS = {"gpt": TiedGPT, "external": External, "checkpointed": Checkpointed, "skipping": Skipping, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
+class Reusing(nn.Module):
+    """Two blocks applied alternately three times each (weight sharing across depth, as in
+    ALBERT or a looped transformer): each unit is materialized three times a forward."""
+
+    def __init__(self, d: int = 6, repeats: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(2))
+        self.out = nn.Linear(d, 2)
+        self.repeats = repeats
+
+    def forward(self, x):
+        x = self.inp(x)
+        for _ in range(self.repeats):
+            for block in self.blocks:
+                x = x + torch.tanh(block(x))
+        return self.out(x)
+
+
+MODELS = {"reusing": Reusing, "gpt": TiedGPT, "external": External, "checkpointed": Checkpointed, "skipping": Skipping, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
 
 
 def build(name: str, seed: int = 0, **kw) -> nn.Module:

@@ -39,49 +39,154 @@ from dataclasses import dataclass
 
 DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
+DEFAULT_MAX_REUSE_DISTANCE = 0  # release after use (DeepSpeed's default, 1e9, keeps most of a small model)
+DEFAULT_TIMEOUT_S = 300.0  # a collective not done by then means the ranks diverged
 
 
 class OrderChangedWarning(UserWarning):
     """A step materialized units in an order not seen before; it was recorded."""
 
 
+class RanksDivergedError(RuntimeError):
+    """Ranks materialized different units in one step; raised on every rank."""
+
+
 @dataclass(frozen=True)
 class Prefetch:
-    """How far ahead to materialize: ``bucket_size`` elements ahead of use (0: on demand only),
-    never more than ``max_live`` elements gathered or in flight at once."""
+    """The coordinator's budgets, in elements: materialize up to ``bucket_size`` ahead of use
+    (0: on demand only), never more than ``max_live`` gathered or in flight at once; keep a
+    released unit whose next use is within ``max_reuse`` elements of materializations.
+    ``timeout_s``: how long a step's collective may take before the step says which ranks
+    diverged (None: forever)."""
 
     bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
     max_live: int = DEFAULT_MAX_LIVE_PARAMETERS
+    max_reuse: int = DEFAULT_MAX_REUSE_DISTANCE
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
 
     def __post_init__(self):
-        for name in ("bucket_size", "max_live"):
+        for name in ("bucket_size", "max_live", "max_reuse"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of elements, got {value!r}")
-        object.__setattr__(self, "bucket_size", int(self.bucket_size))
-        object.__setattr__(self, "max_live", int(self.max_live))
+            object.__setattr__(self, name, int(value))
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"collective_timeout must be a positive number of seconds or None, got {self.timeout_s!r}")
 
 
-def prefetch_settings(bucket_size: int | None, max_live: int | None) -> Prefetch | None:
-    """The settings given to a transform (``zero3``, ``offload_nvme``), or None if it was given none."""
-    if bucket_size is None and max_live is None:
-        return None
-    default = Prefetch()
-    return Prefetch(default.bucket_size if bucket_size is None else bucket_size,
-                    default.max_live if max_live is None else max_live)
+_NAMES = {"bucket_size": "prefetch_bucket_size", "max_live": "max_live_parameters",
+          "max_reuse": "max_reuse_distance", "timeout_s": "collective_timeout"}
+
+
+def prefetch_settings(**given) -> Prefetch | None:
+    """The settings a transform (``zero3``, ``offload_nvme``) was given by their public names
+    (``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``,
+    ``collective_timeout``), defaults for the rest; None if it was given none."""
+    fields = {field: given[public] for field, public in _NAMES.items() if given.get(public) is not None}
+    return Prefetch(**fields) if fields else None
+
+
+class Traces:
+    """The orders seen for one model layout, and the one the next pass starts by following."""
+
+    def __init__(self, model):
+        self.model = model  # held, so its id is not reused by another layout
+        self.by_fingerprint: dict[str, tuple] = {}  # fingerprint -> trace (tuple of (unit key, elements))
+        self.latest: str | None = None  # the fingerprint of the last pass's order
+        self.successor: dict[str, str] = {}  # fingerprint -> the order that came after it last time
+
+    def expected(self) -> tuple | None:
+        """The order the next pass is expected to take: the one that followed the last pass's
+        order last time (so paths that alternate are each prefetched), else that order again."""
+        if self.latest is None:
+            return None
+        return self.by_fingerprint[self.successor.get(self.latest, self.latest)]
+
+    def known(self, prefix: list) -> tuple | None:
+        """A known trace that starts with ``prefix`` (the latest first)."""
+        candidates = list(self.by_fingerprint.values())
+        n = len(prefix)
+        return next((t for t in candidates if len(t) >= n and list(t[:n]) == prefix), None)
+
+    def record(self, events: list) -> None:
+        trace = tuple(events)
+        key = fingerprint(trace)
+        if key not in self.by_fingerprint:
+            if self.by_fingerprint:
+                warnings.warn(
+                    f"units were materialized in an order not seen before ({len(trace)} materializations; "
+                    f"{len(self.by_fingerprint)} order(s) known): this step ran on demand from the first "
+                    "difference and its order is recorded, so it is prefetched the next time it recurs. "
+                    "Expected once per distinct order (data-dependent control flow); on every step it means "
+                    "the order never repeats", OrderChangedWarning, stacklevel=5)
+            self.by_fingerprint[key] = trace
+        if self.latest is not None:
+            self.successor[self.latest] = key
+        self.latest = key
 
 
 class Coordinator:
-    """One per step function: the traces it has seen, and its settings. It changes when
-    materializations start, never what they compute."""
+    """One per step function: the traces it has seen (per model layout), and its settings.
+    It changes when materializations start, never what they compute."""
 
     def __init__(self, settings: Prefetch):
         self.settings = settings
-        self.traces: dict[str, tuple] = {}  # fingerprint -> trace (tuple of (unit key, elements))
-        self.latest: tuple | None = None  # the trace the next step starts by following
+        self.layouts: dict[int, Traces] = {}  # id of a ModelSpec -> its traces
+        self.runs: list[Run] = []  # this step's passes (micro-batches)
+        self.diagnosed = 0  # failures diagnosed so far (names the store keys of the next)
 
-    def begin(self) -> "Run":
-        return Run(self)
+    def begin_step(self) -> None:
+        self.runs = []
+
+    def begin(self, model) -> "Run":
+        """A pass over the units of ``model`` (a ModelSpec)."""
+        traces = self.layouts.get(id(model))
+        if traces is None:
+            traces = self.layouts[id(model)] = Traces(model)
+        run = Run(self, traces)
+        self.runs.append(run)
+        return run
+
+    def order(self) -> list[str]:
+        """The units this step materialized, in order, by name."""
+        return [run.names.get(key, str(key)) for run in self.runs for key, _ in run.events]
+
+    def order_hash(self) -> int:
+        """A 20-bit fingerprint of this step's order: ranks compare sums of it and of its square
+        in the step's one float64 all-reduce (equal on every rank iff W * sum(h^2) == sum(h)^2)."""
+        return int(fingerprint(tuple(key for run in self.runs for key, _ in run.events)), 16) & 0xFFFFF
+
+    def diverged(self, group, cause: BaseException | None = None):
+        """Raise, on every rank, which unit each rank materialized where the orders first differ.
+
+        The orders travel through the process group's store, so this works while collectives hang.
+        """
+        from . import dist
+
+        self.diagnosed += 1
+        mine = self.order()
+        wait = 10.0 if cause is None else 2 * (self.settings.timeout_s or 30.0)
+        posted = dist.exchange(f"order/{self.diagnosed}", "\n".join(mine), group, timeout_s=wait)
+        orders = [None if p is None else (p.split("\n") if p else []) for p in posted]
+        known = [o for o in orders if o is not None]
+        n = max(len(o) for o in known)
+        at = next((i for i in range(n) if len({o[i] if i < len(o) else None for o in known}) > 1), n)
+        where = ", ".join(
+            f"rank {r}: " + ("did not report (stuck elsewhere or failed)" if o is None else
+                             repr(o[at]) if at < len(o) else "nothing (its step ended there)")
+            for r, o in enumerate(orders))
+        what = (f"a collective timed out after {self.settings.timeout_s:g} s" if cause is not None
+                else "their orders' fingerprints differ")
+        if at == n and None not in orders:
+            raise RanksDivergedError(
+                f"{what}, yet every rank materialized the same {n} units in the same order: a rank failed "
+                "or stalled outside materialization (its own error says why)") from cause
+        raise RanksDivergedError(
+            f"ranks materialized different units in this step ({what}): at materialization {at + 1} of this "
+            f"rank's {len(mine)}, {where}. Every rank must run the same modules in the same order "
+            "(control flow that depends on the data must agree across ranks)"
+            + ("; the process group cannot be used after a timed-out collective: restart the job" if cause else "")
+        ) from cause
 
     def known(self, prefix: list) -> tuple | None:
         """A known trace that starts with ``prefix`` (the latest first)."""
@@ -111,12 +216,13 @@ def fingerprint(trace) -> str:
 class Run:
     """One step's (or micro-batch's) pass through the units: follows a trace, records the order."""
 
-    def __init__(self, coordinator: Coordinator):
-        self.coordinator = coordinator
+    def __init__(self, coordinator: Coordinator, traces: Traces):
+        self.traces = traces
         self.settings = coordinator.settings
         self.events: list = []  # (unit key, elements), in the order materialized
-        self.trace = coordinator.latest  # being followed; None once off every known trace
+        self.trace = traces.expected()  # being followed; None once off every known trace
         self.units: dict = {}  # unit key -> _Unit, as they are registered
+        self.names: dict = {}  # unit key -> the unit's name, for errors
         self.live = 0  # elements gathered or in flight now
         self.peak_live = 0
         self.hits = self.misses = 0
@@ -125,8 +231,23 @@ class Run:
 
     # -------------------------------------------------------------- units tell us
 
-    def register(self, unit) -> None:
+    def register(self, unit, name: str) -> None:
         self.units[unit.key] = unit
+        self.names[unit.key] = name
+
+    def keeps(self, unit) -> bool:
+        """Whether ``unit``, done with now, is materialized again within ``max_reuse``
+        elements of other materializations along the trace (then it stays gathered)."""
+        if self.trace is None:
+            return False
+        distance = 0
+        for key, numel in self.trace[len(self.events):]:
+            if key == unit.key:
+                return True
+            distance += numel
+            if distance > self.settings.max_reuse:
+                return False
+        return False
 
     def start(self) -> None:
         """Before the first materialization: prefetch the start of the trace."""
@@ -138,7 +259,7 @@ class Run:
         self.events.append(event)
         n = len(self.events)
         if self.trace is not None and (len(self.trace) < n or self.trace[n - 1] != event):
-            self.trace = self.coordinator.known(self.events)
+            self.trace = self.traces.known(self.events)
         if unit.pending is not None:
             self.hits += 1
         else:
@@ -185,7 +306,8 @@ class Run:
                 continue
             if unit.tracker.holds(unit):
                 continue
-            if ahead + numel > self.settings.bucket_size or self.live + numel > self.settings.max_live:
+            if (ahead + numel > self.settings.bucket_size or self.live + numel > self.settings.max_live
+                    or not unit.can_prefetch()):
                 return
             unit.prefetch()
             self.prefetched_bytes += unit.pending.out.numel() * unit.pending.out.element_size()
@@ -196,7 +318,7 @@ class Run:
     def finish(self) -> dict:
         """Record this pass's order; its prefetch metrics."""
         if self.events:
-            self.coordinator.record(self.events)
+            self.traces.record(self.events)
         return {"hits": self.hits, "misses": self.misses, "bytes_prefetched": self.prefetched_bytes,
                 "wait_s": self.wait_s, "max_live_elements": self.peak_live}
 

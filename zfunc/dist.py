@@ -6,12 +6,66 @@ library goes through this module, so the torch API it depends on lives here.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 from . import buffers, layout
+
+_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("zfunc_collective_timeout", default=None)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the step's timeout (another rank is elsewhere)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None):
+    """Collectives waited for inside raise ``CollectiveTimeout`` after ``seconds`` (None: wait forever)."""
+    token = _timeout.set(seconds)
+    try:
+        yield
+    finally:
+        _timeout.reset(token)
+
+
+def _wait(work) -> None:
+    seconds = _timeout.get()
+    if seconds is None:
+        work.wait()
+        return
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise CollectiveTimeout(
+            f"a collective did not complete within {seconds:g} s: another rank is not taking part in it "
+            "(it diverged, failed or is much slower). The process group cannot be used after this"
+        ) from e
+
+
+def exchange(tag: str, value: str, group=None, timeout_s: float = 60.0) -> list[str | None]:
+    """Every rank's ``value`` for ``tag``, through the default group's store, not a collective:
+    it works when collectives are stuck. A rank that does not post in time gives None."""
+    if not is_initialized():
+        return [value]
+    store = dist.distributed_c10d._get_default_store()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    store.set(f"zfunc/{tag}/{dist.get_rank()}", value)
+    out = []
+    for r in ranks:
+        key = f"zfunc/{tag}/{r}"
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout_s))
+            out.append(store.get(key).decode())
+        except (RuntimeError, dist.DistError):
+            out.append(None)
+    return out
 
 def init(backend: str | None = None) -> None:
     """Start the default process group from torchrun's environment, if any.
@@ -113,7 +167,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            self.work.wait()
+            _wait(self.work)
             self.work = None
             if self.finish is None and self.divisor != 1:
                 self.out.div_(self.divisor)
@@ -202,7 +256,7 @@ def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum over ranks, in place; returns ``t``."""
     if world_size(group) > 1:
-        dist.all_reduce(t, group=group)
+        _wait(dist.all_reduce(t, group=group, async_op=True))
     return t
 
 
@@ -214,5 +268,5 @@ def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """Copy group rank ``src``'s ``t`` to every rank, in place; returns ``t``."""
     if world_size(group) > 1:
-        dist.broadcast(t, group_src=src, group=group)
+        _wait(dist.broadcast(t, group_src=src, group=group, async_op=True))
     return t

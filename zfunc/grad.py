@@ -227,20 +227,24 @@ def materialized(params: Params, frozen: Params | None, buffers: Mapping, *, dif
     materialize on access, the ``ParamView`` handed to ``loss_fn``, its tracker."""
     tracker = Tracker()
     coordinator = coordination.current()
-    tracker.run = None if coordinator is None else coordinator.begin()
+    tracker.run = None if coordinator is None else coordinator.begin(params.spec.model)
     trainable = Units(params, tracker, differentiable=differentiable)
     frozen_units = Units(frozen, tracker, kind="f") if frozen is not None else None
     view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
     if tracker.run is not None:
         tracker.run.start()
+    abandon = False
     try:
         yield view, tracker, trainable.anchors
         if tracker.run is not None:
             tracker.prefetch = (tracker.run.finish(),)  # only a pass that completed records its order
+    except (dist.CollectiveTimeout, torch.distributed.DistError):
+        abandon = True  # the collectives still in flight will not complete either
+        raise
     finally:
         view.close()
         view.restore_models()
-        tracker.close()
+        tracker.close(abandon)
 
 
 def forward(loss_fn: Callable, view: ParamView, tracker: Tracker, batch):

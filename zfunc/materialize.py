@@ -61,6 +61,10 @@ class _Unit:
         source = self.leaf if self.stored is None else self.stored
         return placement.materialize_start(self.place, source, self.group, self.ready, self.store)
 
+    def can_prefetch(self) -> bool:
+        """Whether a read ahead leaves the swap pool a buffer for on-demand reads."""
+        return self.store is None or self.store.pool.available() > 1
+
     def prefetch(self) -> None:
         if self.gathers and self.pending is None:
             self.pending = self._start()
@@ -68,7 +72,7 @@ class _Unit:
 
     def gather(self) -> torch.Tensor:
         """The full flat buffer: the prefetched one if any, else materialized now."""
-        run = self.tracker.run
+        run = self.tracker.run if self.gathers else None  # a unit that gathers nothing is not traced
         if run is not None:
             run.using(self)  # counts a hit or a miss, and prefetches what comes next
         self.prefetch()
@@ -193,6 +197,11 @@ class Tracker:
             self.starts[unit] = buf.storage_offset()
 
     def _give_back(self, unit: _Unit, buf: torch.Tensor) -> None:
+        """Done with ``unit``'s gathered ``buf``: kept for its next use if the coordinator's trace
+        has it within the reuse distance (still counted as live), else freed."""
+        if self.run is not None and unit.pending is None and self.run.keeps(unit):
+            unit.pending = dist.Pending(buf)
+            return
         self.freed(buf)
         unit.give(buf)
 
@@ -256,9 +265,10 @@ class Tracker:
     def release_backward(self, unit: _Unit) -> None:
         buf = self.backward_cache.pop(unit, None)
         if buf is not None:
-            self.freed(buf)
             if unit.gathers:
-                unit.give(buf)
+                self._give_back(unit, buf)
+            else:
+                self.freed(buf)
 
     def reducing(self, pending: dist.Pending) -> None:
         """Track a reduction in flight; at most two, so gradients do not pile up."""
@@ -268,20 +278,23 @@ class Tracker:
 
     def finish(self) -> None:
         """Wait for the gradient reductions still in flight."""
-        for pending in self.reductions:
-            pending.wait()
-        self.reductions.clear()
+        while self.reductions:
+            self.reductions.pop(0).wait()
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def close(self) -> None:
-        """Drop everything; wait for prefetches no one used (every rank issued them)."""
+    def close(self, abandon: bool = False) -> None:
+        """Drop everything; wait for prefetches no one used (every rank issued them), unless
+        ``abandon``: after a failed collective, waiting on the others would only fail again."""
+        if abandon:
+            self.reductions.clear()
         self.finish()
         for unit in self.units:
             if unit.pending is not None:
-                unit.give(unit.pending.wait())
-                unit.pending = None
+                pending, unit.pending = unit.pending, None
+                if not abandon:
+                    unit.give(pending.wait())
         for unit, buf in self.backward_cache.items():
             if unit.gathers:
                 unit.give(buf)
@@ -324,9 +337,9 @@ class Units:
         self.anchors = [u.anchor for u in self.units]
         tracker.units.extend(self.units)
         if tracker.run is not None:
-            for unit in self.units:
+            for unit, info in zip(self.units, spec.model.units):
                 if unit.gathers and unit.leaf.numel():
-                    tracker.run.register(unit)
+                    tracker.run.register(unit, ("frozen " if kind == "f" else "") + (info.name or "<root>"))
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.refs: dict[int, int] = {}

@@ -11,9 +11,9 @@ model's size.
 * init: each unit's shard is staged to disk as it is made; the optimizer state
   is then built one unit at a time and written out, so init never holds more
   than a unit either.
-* forward and backward: a unit is read into a pool buffer just before it is
-  materialized (the next unit's read is issued while the current one runs),
-  all-gathered if sharded, and its buffer returned after use; backward
+* forward and backward: a unit is read into a pool buffer ahead of use (the
+  step's coordinator, zfunc.coordinator, issues the reads, then the
+  all-gathers, along the order recorded in the first step), gathered if sharded, and its buffer returned after use; backward
   re-reads it. Its gradient, once reduced, is written to its swap file at
   once (``GradToDisk``), with its squared norm and inf/NaN check taken while
   it is in memory, so the step's one agreement on the norm reads nothing back.
@@ -474,7 +474,8 @@ def _optimizer_bytes_per_element(optimizer) -> int:
 
 def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = True, buffer_count: int = 5,
                  buffer_size: int = int(1e8), sub_group_size: int = int(1e9), aio: dict | None = None,
-                 prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None) -> Step:
+                 prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
+                 max_reuse_distance: int | None = None, collective_timeout: float | None = None) -> Step:
     """Keep parameters, gradients and optimizer state in swap files under ``path`` (module docstring).
 
     ``params``: parameter shards on disk too (needs zero3, or no stage);
@@ -484,8 +485,10 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     staging sets); ``aio``: DeepSpeed's ``aio`` config section for
     ``zfunc.ops.aio``. The state owns its files: ``state.close()`` (or a
     ``with`` block) removes them; so does interpreter exit.
-    ``prefetch_bucket_size`` and ``max_live_parameters``: how far ahead units
-    are read (and gathered), as for ``zero3`` (which wins if both give them).
+    ``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``,
+    ``collective_timeout``: the coordinator's settings, as for ``zero3``: units
+    are read from disk (then gathered) ahead of use along the recorded order.
+    Settings given to the outermost transform that has any win.
     """
     if not isinstance(step, Step):
         raise TypeError(f"offload_nvme transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
@@ -496,4 +499,6 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 1:
             raise ValueError(f"offload_nvme: {key} must be a positive number, got {value!r}")
     return step.then(OffloadNvme(path, bool(params), bool(optimizer), int(buffer_count), int(buffer_size),
-                                 int(sub_group_size), aio, prefetch_settings(prefetch_bucket_size, max_live_parameters)))
+                                 int(sub_group_size), aio, prefetch_settings(
+        prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
+        max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout)))

@@ -236,10 +236,17 @@ class Step:
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
         io_before = swap.io_counts(state)
-        with coordination.active(self.coordinator()):
-            out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
+        coordinator = self.coordinator()
+        coordinator.begin_step()
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
+            try:
+                out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
+                agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
+            except dist.CollectiveTimeout as e:
+                coordinator.diverged(self.group, cause=e)
+        if not agreed.same_order:
+            coordinator.diverged(self.group)
         loss, aux, grads, grad_scale = out.loss, out.aux, out.grads, out.grad_scale
-        agreed = _agree(loss, grads, self.group)
         metrics = {"loss": agreed.loss, "grad_bytes": grads.nbytes(), "peak_materialized_bytes": out.peak,
                    "skipped": False, "grad_norm": math.sqrt(agreed.sq_norm) * grad_scale,
                    "prefetch": coordination.merge(out.prefetch)}
@@ -283,16 +290,25 @@ class _Agreed:
     loss: torch.Tensor  # mean over ranks of each rank's loss
     nonfinite: list[str]  # units with an inf/NaN gradient on some rank
     sq_norm: float  # squared global norm of the gradients (as computed, before any scale)
+    same_order: bool  # every rank materialized the same units in the same order
 
 
-def _agree(loss: torch.Tensor, grads: Params, group) -> _Agreed:
+def _same_order(h_sum: float, h2_sum: float, w: int) -> bool:
+    """Whether every rank's order fingerprint h was the same, from the sums of h and h^2
+    (Cauchy-Schwarz: equal iff W * sum(h^2) == sum(h)^2; exact in float64 for 20-bit h)."""
+    return w * h2_sum == h_sum * h_sum
+
+
+def _agree(loss: torch.Tensor, grads: Params, group, order: int = 0) -> _Agreed:
     """One all-reduce for what every rank must agree on after backward.
 
     Which units some rank used (a unit no rank used gets no update, as
     ``torch.optim`` skips a parameter without ``.grad``), whether any
     gradient is non-finite and the global squared norm (one read of each
     gradient, ``nonfinite_and_sq_norm``; a shard counts on every rank, a
-    whole gradient, the same on every rank, on rank 0 only), and the loss.
+    whole gradient, the same on every rank, on rank 0 only), the loss, and
+    whether every rank materialized units in the same order (``order``, the
+    coordinator's fingerprint of it).
     """
     leaves = grads.leaves
     w, r = dist.world_size(group), dist.rank(group)
@@ -309,10 +325,14 @@ def _agree(loss: torch.Tensor, grads: Params, group) -> _Agreed:
             sq[0] += sq_g
         elif r == 0:
             sq[1] += sq_g
-    vec = torch.tensor([float(loss), *used, *bad, *sq], dtype=torch.float64, device=dist.device_of(group))
+    vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *sq], dtype=torch.float64,
+                       device=dist.device_of(group))
     dist.all_reduce_sum(vec, group)
     vec = vec.cpu()
     k = len(leaves)
+    same_order = _same_order(vec[1 + 2 * k].item(), vec[2 + 2 * k].item(), w)
+    if not same_order:  # the caller names where the orders differ
+        return _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), [], 0.0, False)
     names = [u.name or "<root>" for u in grads.spec.model.units]
     counts = vec[1 : 1 + k].tolist()
     partial = [(n, int(c)) for n, c in zip(names, counts) if 0 < c < w]
@@ -323,7 +343,7 @@ def _agree(loss: torch.Tensor, grads: Params, group) -> _Agreed:
             "must run the same units (control flow that skips a block must skip it on every rank)"
         )
     nonfinite = [n for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
-    return _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]))
+    return _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]), True)
 
 
 class EvalStep(Step):
@@ -347,14 +367,27 @@ class EvalStep(Step):
         micro = accumulate.micro_batches(batch) if accumulate is not None else [batch]
         losses, auxes = [], []
         passes = ()
-        for mb in micro:
-            with coordination.active(self.coordinator()), materialized(
-                    state.params, state.frozen, self._buffers(state), differentiable=False) as (view, tracker, _):
-                out = forward(self.loss_fn, view, tracker, mb)
-            passes += tracker.prefetch
-            losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
-            auxes.append(out[1] if self.has_aux else None)
-        metrics = {"loss": dist.all_reduce_mean(torch.stack(losses).mean(), self.group),
+        coordinator = self.coordinator()
+        coordinator.begin_step()
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
+            try:
+                for mb in micro:
+                    with materialized(state.params, state.frozen, self._buffers(state),
+                                      differentiable=False) as (view, tracker, _):
+                        out = forward(self.loss_fn, view, tracker, mb)
+                    passes += tracker.prefetch
+                    losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
+                    auxes.append(out[1] if self.has_aux else None)
+                h = float(coordinator.order_hash())
+                vec = torch.tensor([torch.stack(losses).mean().item(), h, h * h], dtype=torch.float64,
+                                   device=dist.device_of(self.group))
+                dist.all_reduce_sum(vec, self.group)
+            except dist.CollectiveTimeout as e:
+                coordinator.diverged(self.group, cause=e)
+        w = dist.world_size(self.group)
+        if not _same_order(vec[1].item(), vec[2].item(), w):
+            coordinator.diverged(self.group)
+        metrics = {"loss": torch.tensor(vec[0].item() / w, dtype=torch.float32),
                    "prefetch": coordination.merge(passes)}
         if self.has_aux:
             metrics["aux"] = auxes if accumulate is not None else auxes[0]

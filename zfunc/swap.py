@@ -211,6 +211,10 @@ class BufferPool:
     def resident_bytes(self) -> int:
         return self.made * self.nbytes
 
+    def available(self) -> int:
+        """Pool buffers not handed out now (made or still to make)."""
+        return self.count - len(self._ours)
+
 
 class SwapStore:
     """One state's swap folder, its files, its I/O handles and its buffer pool."""

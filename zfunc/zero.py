@@ -99,22 +99,31 @@ def zero2(step: Step, *, group=None) -> Step:
 
 
 def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
-          prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None) -> Step:
+          prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
+          max_reuse_distance: int | None = None, collective_timeout: float | None = None) -> Step:
     """Shard parameters too: each unit is gathered just before its module runs.
 
     ``units``: ``None`` (each child of every ``nn.ModuleList`` plus a root
     unit), a list of module names, or a predicate ``(name, module) -> bool``;
     the same as ``zf.units(step, units)``. Units with fewer than
     ``persistence_threshold`` elements stay replicated (and in memory under
-    ``offload_nvme``). ``prefetch_bucket_size``: how many elements ahead of
-    use the coordinator gathers, along the order recorded in the first step
-    (0: on demand only; default DeepSpeed's 5e7); ``max_live_parameters``:
-    the most elements it lets be gathered or in flight when it prefetches
-    (default DeepSpeed's 1e9). See zfunc.coordinator.
+    ``offload_nvme``).
+
+    The coordinator's settings (zfunc.coordinator), in elements:
+    ``prefetch_bucket_size``: how far ahead of use units are gathered, along
+    the order recorded in the first step (0: on demand only; default
+    DeepSpeed's 5e7); ``max_live_parameters``: the most gathered or in flight
+    at once (default DeepSpeed's 1e9); ``max_reuse_distance``: a unit used
+    again within this many elements of other materializations stays gathered
+    (default 0: released after each use, so memory stays at ZeRO-3's
+    formula). ``collective_timeout``: seconds a step's collective may take
+    before every rank raises, naming where the ranks' orders differ (default
+    300; None waits forever).
     """
     if units is not None:
         step = set_units(step, units)
-    prefetch = prefetch_settings(prefetch_bucket_size, max_live_parameters)
+    prefetch = prefetch_settings(prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
+                                 max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout)
     return _zero(step, 3, group, persistence_threshold=persistence_threshold, prefetch=prefetch)
 
 
