@@ -36,9 +36,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import zero_vs_fsdp as zvf  # noqa: E402
 from _launch import launch  # noqa: E402
 
-MODES = ["zero3", "zero3_cpu", "zero3_nvme", "zero3_nvme_small", "ds3", "ds3_cpu", "ds3_nvme"]
-PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_nvme": "ds3_nvme", "zero3_nvme_small": "ds3_nvme"}
-COMPUTE = {"zero3_cpu": "zero3", "zero3_nvme": "zero3", "zero3_nvme_small": "zero3", "ds3_cpu": "ds3", "ds3_nvme": "ds3"}
+MODES = ["zero3", "zero3_cpu", "zero3_nvme", "zero3_nvme_noprefetch", "zero3_nvme_small", "ds3", "ds3_cpu", "ds3_nvme"]
+PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_nvme": "ds3_nvme", "zero3_nvme_small": "ds3_nvme",
+        "zero3_nvme_noprefetch": "ds3_nvme"}
+COMPUTE = {"zero3_cpu": "zero3", "zero3_nvme": "zero3", "zero3_nvme_small": "zero3", "zero3_nvme_noprefetch": "zero3",
+           "ds3_cpu": "ds3", "ds3_nvme": "ds3"}
 
 
 def parse_args():
@@ -127,7 +129,24 @@ def table(results, args, bandwidth):
         lines.append(f"| {zvf.MODES[m]} | {step:.3f} | {fmt(ratio(m, own))} | {fmt(ratio(m, peer) if peer else None)} | "
                      f"{rss / 1e9:.2f} GB | {fmt(rss_ratio)} | {read / 1e6:.1f} | {written / 1e6:.1f} | "
                      f"{io_s:.3f} | {fmt(hidden, '.0%')} | {results[m][0]['final_loss']:.6f} |")
+    lines += prefetch_lines(results, modes)
     return "\n".join(lines)
+
+
+def prefetch_lines(results, modes):
+    """The coordinator's effect: each zfunc mode with prefetch against the same mode without it."""
+    pairs = [(m, m + "_noprefetch") for m in modes if m + "_noprefetch" in modes]
+    if not pairs:
+        return []
+    out = ["", "| mode | speed-up from prefetch (time off / on) | peak RSS / zfunc zero3 | misses per step after the first, on / off |",
+           "| --- | ---: | ---: | ---: |"]
+    for on, off in pairs:
+        rss = statistics.median(r["peak_rss_bytes"] for r in results[on])
+        base = statistics.median(r["peak_rss_bytes"] for r in results["zero3"]) if "zero3" in modes else None
+        misses = [max(r.get("misses_after_first") or 0 for r in results[m]) for m in (on, off)]
+        out.append(f"| {zvf.MODES[on]} | {zvf.per_repeat_ratio(results, off, on):.2f} | "
+                   f"{'' if base is None else format(rss / base, '.2f')} | {misses[0]} / {misses[1]} |")
+    return out
 
 
 def main(args):

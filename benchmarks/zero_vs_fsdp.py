@@ -59,6 +59,7 @@ MODES = {  # key -> description
     "zero1": "zfunc zero1",
     "zero2": "zfunc zero2",
     "zero3": "zfunc zero3",
+    "zero3_noprefetch": "zfunc zero3, coordinator prefetch off (prefetch_bucket_size=0: on demand)",
     "ds1": "DeepSpeed ZeRO-1",
     "ds2": "DeepSpeed ZeRO-2",
     "ds3": "DeepSpeed ZeRO-3",
@@ -66,6 +67,7 @@ MODES = {  # key -> description
     "ds3_cpu": "DeepSpeed ZeRO-3, optimizer offloaded to CPU",
     "zero3_nvme": "zfunc zero3(offload_nvme(...)): params, grads, optimizer state on disk",
     "zero3_nvme_small": "zfunc zero3(offload_nvme(..., sub_group_size=1e6)): the update streams from disk",
+    "zero3_nvme_noprefetch": "zfunc zero3(offload_nvme(...)), coordinator prefetch off (reads and gathers on demand)",
     "ds3_nvme": "DeepSpeed ZeRO-3, params and optimizer state on NVMe",
 }
 
@@ -100,6 +102,10 @@ def parse_args(argv=None):
     p.add_argument("--torch-adam", default="fused", choices=["fused", "foreach", "for-loop"],
                    help="implementation of torch.optim.AdamW for the torch and DeepSpeed modes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefetch-bucket", type=float, default=None,
+                   help="zfunc zero3 modes: the coordinator's prefetch_bucket_size in elements (default: zfunc's)")
+    p.add_argument("--reuse-distance", type=float, default=None,
+                   help="zfunc zero3 modes: the coordinator's max_reuse_distance in elements (default: zfunc's)")
     p.add_argument("--repeats", type=int, default=1, help="run the whole set of modes this many times, interleaved")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="fp32, or bf16 compute with fp32 master weights and fp32 gradient reduction")
@@ -212,8 +218,10 @@ def build(mode, model, args, world):
             x, y = batch
             return lm_loss(zf.apply(model, params, x), y)
 
-        stage, _, offload = mode.partition("_")
-        shard = {"zero0": lambda s: s, "zero1": zf.zero1, "zero2": zf.zero2, "zero3": zf.zero3}[stage]
+        on_demand = mode.endswith("_noprefetch")  # the coordinator issues nothing ahead of use
+        stage, _, offload = mode.removesuffix("_noprefetch").partition("_")
+        shard = {"zero0": lambda s: s, "zero1": zf.zero1, "zero2": zf.zero2,
+                 "zero3": lambda s: zf.zero3(s, **coordinator_settings(args, on_demand))}[stage]
         step = zf.train_step(loss_fn, zf.optim.adamw(args.lr, weight_decay=args.wd))
         if bf16:
             step = zf.mixed_precision(step, torch.bfloat16)  # reduce_dtype: fp32 by default
@@ -227,6 +235,7 @@ def build(mode, model, args, world):
         def train(x, y):
             nonlocal state
             state, metrics = step(state, (x, y))
+            PREFETCH_MISSES.append(metrics["prefetch"]["misses"])
             return metrics["loss"]
         return train, True
     if mode.startswith("ds"):
@@ -257,6 +266,20 @@ def build(mode, model, args, world):
             return loss.detach()
         return train, False
     raise ValueError(mode)
+
+
+PREFETCH_MISSES = []  # zfunc modes: the coordinator's misses, per step
+
+
+def coordinator_settings(args, on_demand):
+    out = {}
+    if args.prefetch_bucket is not None:
+        out["prefetch_bucket_size"] = int(args.prefetch_bucket)
+    if args.reuse_distance is not None:
+        out["max_reuse_distance"] = int(args.reuse_distance)
+    if on_demand:
+        out["prefetch_bucket_size"] = 0
+    return out
 
 
 def disk_io_bytes():
@@ -321,7 +344,8 @@ def worker(args):
                   all_gather_bytes=gathered, median_all_gather_bytes=statistics.median(gathered[args.warmup:]),
                   median_read_bytes=statistics.median(r for r, _ in io[args.warmup:]),
                   median_write_bytes=statistics.median(w for _, w in io[args.warmup:]),
-                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, baseline_rss_bytes=baseline_rss)
+                  peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, baseline_rss_bytes=baseline_rss,
+                  prefetch_misses=PREFETCH_MISSES)
     with open(f"{args.result}.rank{rank}.json", "w") as f:
         json.dump(result, f)
     if dist.is_initialized():  # gloo may abort at interpreter exit otherwise
@@ -340,7 +364,7 @@ def run_mode(mode, args, tmp, repeat):
     argv = [os.path.abspath(__file__), "--worker", mode, "--result", result] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
         ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch", "world", "lr", "wd", "torch_adam", "seed",
-          "precision", "nvme_path")]
+          "precision", "nvme_path", "prefetch_bucket", "reuse_distance") if getattr(args, k) is not None]
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if mode.startswith("ds"):
         env["DS_ACCELERATOR"] = "cpu"
@@ -358,7 +382,7 @@ def run_mode(mode, args, tmp, repeat):
                peak_above_baseline_bytes=max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks), losses=ranks[0]["losses"],
                final_loss=ranks[0]["losses"][-1], all_gather_bytes=ranks[0]["median_all_gather_bytes"],
                read_bytes=max(r["median_read_bytes"] for r in ranks), write_bytes=max(r["median_write_bytes"] for r in ranks),
-               ranks=ranks)
+               misses_after_first=max((m for rk in ranks for m in rk["prefetch_misses"][1:]), default=None), ranks=ranks)
     print(f"[{mode}] repeat {repeat}: {out['median_step_s']:.3f} s/step, {out['peak_rss_bytes'] / 1e9:.2f} GB peak RSS, "
           f"{out['all_gather_bytes'] / 1e6:.2f} MB all-gathered/step, "
           f"loss {out['final_loss']:.6f} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -385,8 +409,8 @@ def table(results, args):
     ddp = "ddp" if "ddp" in summary and base != "ddp" else None
     lines = [f"| mode | median step s | time / {base} |" + (" time / ddp |" if ddp else "")
              + f" peak RSS per rank | RSS / {base} | peak above baseline | "
-             f"above / {base} | above / Ψ | ZeRO formula / Ψ | all-gather MB per step | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
-             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"above / {base} | above / Ψ | ZeRO formula / Ψ | all-gather MB per step | prefetch misses per step after the first | loss after {args.warmup + args.steps} steps | agrees with {ref} |",
+             "| --- | ---: | ---: |" + (" ---: |" if ddp else "") + " ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for m in modes:
         s = summary[m]
         rel = abs(s["loss"] - summary[ref]["loss"]) / abs(summary[ref]["loss"])
@@ -396,10 +420,12 @@ def table(results, args):
                               f"relative difference {rel:.2e} > {args.tolerance:g}")
         spread = "" if len(s["all_step_s"]) == 1 else f" ({min(s['all_step_s']):.3f}-{max(s['all_step_s']):.3f})"
         gather = "" if s["gather"] is None else f"{s['gather'] / 1e6:.2f}"
+        misses = [r.get("misses_after_first") for r in results[m]]
+        misses = "" if None in misses else f"{max(misses)}"
         lines.append(f"| {mode_label(m, precision)} | {s['step_s']:.3f}{spread} | {time_ratio(m, base):.2f} |"
                      + (f" {time_ratio(m, ddp):.2f} |" if ddp else "") + f" {s['rss'] / 1e9:.2f} GB | "
                      f"{s['rss'] / b['rss']:.2f} | {s['rss_above'] / 1e9:.2f} GB | {s['rss_above'] / b['rss_above']:.2f} | "
-                     f"{s['rss_above'] / s['params']:.1f} | {formula_per_param(m, precision, args.world)} | {gather} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
+                     f"{s['rss_above'] / s['params']:.1f} | {formula_per_param(m, precision, args.world)} | {gather} | {misses} | {s['loss']:.6f} | {'yes' if ok else '**NO**'} ({rel:.1e}) |")
     for m in modes:  # a rerun of the same mode must give the same loss too
         if len({r["final_loss"] for r in results[m]}) > 1:
             mismatches.append(f"{mode_label(m, precision)} gave different losses in different repeats: {[r['final_loss'] for r in results[m]]}")
@@ -418,6 +444,7 @@ def formula_per_param(mode, precision, world):
     """Model-state bytes per parameter per rank by ZeRO's formulas (P, G, K bytes per parameter;
     fp32 AdamW: 4, 4, 8; bf16 with fp32 master: 2, 2, 12), for the modes they describe."""
     p, g, k = (2, 2, 12) if precision == "bf16" else (4, 4, 8)
+    mode = mode.removesuffix("_noprefetch")
     stage = {"ddp": 0, "local": 0, "zero0": 0, "zero1": 1, "ds1": 1, "zero2": 2, "ds2": 2, "zero3": 3, "ds3": 3,
              "fsdp2": 3}.get(mode)
     if stage is None:

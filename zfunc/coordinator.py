@@ -1,32 +1,47 @@
 """The coordinator: record the order units are materialized in, then prefetch along it.
 
 A unit's life in a step (zfunc/materialize.py does each arrow; this module
-decides when the first one starts)::
+decides when the first one starts and whether the last one waits)::
 
-    home: on disk / in RAM, this rank's shard or replicated
-      |  prefetch (read from disk, then all-gather), issued ahead along the trace
+    on disk (offload_nvme's swap file)
+      |  read into a swap-pool buffer        } issued ahead along the trace, within
+      v                                      } prefetch_bucket_size and max_live_parameters
+    in RAM: this rank's shard (or the whole unit, replicated)
+      |  all-gather if sharded
       v
-    full flat buffer, gathered --> used by forward (or by backward's re-gather)
-      |  released after use (the root and the unit forward used last are kept for backward)
+    gathered: the full flat buffer --> used by forward, or by backward's re-gather
+      |  released after use, unless the trace uses it again within max_reuse_distance
+      |  elements (then kept: the next use is a hit); the root and the unit forward
+      |  used last are kept for backward
       v
-    given back to the pool; its gradient goes home as backward finishes with it
+    given back to its pool; its gradient goes home as backward finishes with it
 
 The first step through a ``Coordinator`` records the trace: every
-materialization, forward and backward re-gathers alike, as (unit, elements).
-Later steps follow it: at each materialization the coordinator issues the next
-units' reads and all-gathers, up to ``prefetch_bucket_size`` elements ahead,
-while the gathered and in-flight elements stay within ``max_live_parameters``.
-Every rank follows the same trace with the same budget, so every rank issues
-the same collectives in the same order.
+materialization that gathers or reads, forward and backward re-gathers alike,
+as (unit, elements). Later steps follow it: at each materialization, and when a
+buffer is freed, the coordinator issues the next units' reads and all-gathers,
+up to ``prefetch_bucket_size`` elements ahead (default twice the largest unit,
+so memory stays at ZeRO-3's formula plus a few units), while the gathered and
+in-flight elements stay within ``max_live_parameters`` and a read ahead leaves
+the swap pool a buffer. Every rank follows the same trace with the same budget,
+so every rank issues the same collectives in the same order.
 
 A step that departs from the trace (control flow that skips a block) goes on
-with whichever known trace matches what it did so far, or on demand, and its
-order is recorded as a new trace, with one warning per distinct new order; a
-model that alternates between two paths settles on both with no further
-messages. ``metrics["prefetch"]`` reports each step's hits (materializations
-that found their buffer already in flight), misses, bytes prefetched, seconds
-spent waiting for materializations, and the most gathered elements alive at
-once.
+with a known trace that matches what it did so far, or on demand, and its order
+is recorded, with one ``OrderChangedWarning`` per order not seen before; the
+next pass expects the order that followed the last one last time, so a model
+that alternates between two paths prefetches both with no further messages.
+
+Ranks must materialize the same units in the same order. A fingerprint of each
+step's order rides in the step's one all-reduce (zfunc.step), and every
+collective a step issues has a timeout (``collective_timeout``); when either
+trips, the ranks exchange their orders through the process group's store (not
+a collective, so it works while collectives hang) and every rank raises
+``RanksDivergedError`` naming each rank's unit where the orders first differ.
+
+``metrics["prefetch"]`` reports each step's hits (materializations that found
+their buffer in flight or kept), misses, bytes prefetched, seconds spent
+waiting for materializations, and the most gathered elements alive at once.
 """
 from __future__ import annotations
 
@@ -37,7 +52,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
-DEFAULT_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size
+DEFAULT_PREFETCH_BUCKET_SIZE = None  # twice the largest unit (DeepSpeed's 5e7 gathers most of a small model)
+DEEPSPEED_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size, for its configs
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
 DEFAULT_MAX_REUSE_DISTANCE = 0  # release after use (DeepSpeed's default, 1e9, keeps most of a small model)
 DEFAULT_TIMEOUT_S = 300.0  # a collective not done by then means the ranks diverged
@@ -54,12 +70,12 @@ class RanksDivergedError(RuntimeError):
 @dataclass(frozen=True)
 class Prefetch:
     """The coordinator's budgets, in elements: materialize up to ``bucket_size`` ahead of use
-    (0: on demand only), never more than ``max_live`` gathered or in flight at once; keep a
+    (0: on demand only; None: twice the model's largest unit), never more than ``max_live`` gathered or in flight at once; keep a
     released unit whose next use is within ``max_reuse`` elements of materializations.
     ``timeout_s``: how long a step's collective may take before the step says which ranks
     diverged (None: forever)."""
 
-    bucket_size: int = DEFAULT_PREFETCH_BUCKET_SIZE
+    bucket_size: int | None = DEFAULT_PREFETCH_BUCKET_SIZE
     max_live: int = DEFAULT_MAX_LIVE_PARAMETERS
     max_reuse: int = DEFAULT_MAX_REUSE_DISTANCE
     timeout_s: float | None = DEFAULT_TIMEOUT_S
@@ -67,6 +83,8 @@ class Prefetch:
     def __post_init__(self):
         for name in ("bucket_size", "max_live", "max_reuse"):
             value = getattr(self, name)
+            if value is None and name == "bucket_size":
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number of elements, got {value!r}")
             object.__setattr__(self, name, int(value))
@@ -291,7 +309,10 @@ class Run:
         against the bucket, one still gathered is skipped (its later use is
         prefetched once it is released).
         """
-        if self.trace is None or self.settings.bucket_size <= 0:
+        bucket = self.settings.bucket_size
+        if bucket is None:
+            bucket = 2 * max((u.full_numel for u in self.units.values()), default=0)
+        if self.trace is None or bucket <= 0:
             return
         ahead, seen = 0, set()
         for key, numel in self.trace[position:]:
@@ -306,7 +327,7 @@ class Run:
                 continue
             if unit.tracker.holds(unit):
                 continue
-            if (ahead + numel > self.settings.bucket_size or self.live + numel > self.settings.max_live
+            if (ahead + numel > bucket or self.live + numel > self.settings.max_live
                     or not unit.can_prefetch()):
                 return
             unit.prefetch()

@@ -111,9 +111,10 @@ def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
 
     The coordinator's settings (zfunc.coordinator), in elements:
     ``prefetch_bucket_size``: how far ahead of use units are gathered, along
-    the order recorded in the first step (0: on demand only; default
-    DeepSpeed's 5e7); ``max_live_parameters``: the most gathered or in flight
-    at once (default DeepSpeed's 1e9); ``max_reuse_distance``: a unit used
+    the order recorded in the first step (0: on demand only; default twice
+    the largest unit; DeepSpeed's default, 5e7, holds most of a small model);
+    ``max_live_parameters``: the most gathered or in flight at once (default
+    DeepSpeed's 1e9); ``max_reuse_distance``: a unit used
     again within this many elements of other materializations stays gathered
     (default 0: released after each use, so memory stays at ZeRO-3's
     formula). ``collective_timeout``: seconds a step's collective may take
