@@ -88,6 +88,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def barrier(group=None) -> None:
+    """Wait until every rank of ``group`` is here (an all-reduce, so the step's timeout applies)."""
+    if world_size(group) > 1:
+        all_reduce_sum(torch.zeros(1, device=device_of(group)), group)
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

@@ -48,10 +48,15 @@ class State:
         self.close()
 
 
+_FIELDS = ("params", "opt_state", "frozen", "buffers", "count", "loss_scale")
+
+
 def _flatten(s: State):
-    # no loss scaler: no child at all (torch's pytree would count a None as a leaf)
+    # no loss scaler: no child at all (torch's pytree would count a None as a leaf); the field
+    # names are the children's path entries (checkpoints name parts by them)
     children = (s.params, s.opt_state, s.frozen, s.buffers, s.count)
-    return (children + (s.loss_scale,) if s.loss_scale is not None else children), s.plan
+    children = children + (s.loss_scale,) if s.loss_scale is not None else children
+    return children, s.plan, _FIELDS[: len(children)]
 
 
 register_node(State, _flatten, lambda plan, children: State(*children[:5], plan=plan, loss_scale=(
