@@ -134,3 +134,16 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_latest(tmp_path
     step = zf.zero3(zf.train_step(lambda p, b: zf.apply(model, p, b).float().pow(2).mean(), zf.optim.adamw(1e-3)))
     state, manifest = zf.checkpoint.load(step.init(model), directory)
     assert manifest["count"] == 1 and int(state.count) == 1
+
+
+def test_consolidate_writes_safetensors_where_installed(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    directory = str(tmp_path)
+    workers(2).run(train_then_save, "gpt", {"stage": 2}, 1, directory)
+    out = tmp_path / "model.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "zfunc.checkpoint", "consolidate", str(tmp_path / "ckpt"), str(out),
+                           "--safetensors"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    fresh = build("gpt", seed=5)
+    fresh.load_state_dict(safetensors.load_file(str(out)))  # tied head included, as its own tensor
+    assert torch.equal(fresh.head.weight, fresh.tok.weight)

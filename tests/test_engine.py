@@ -236,3 +236,22 @@ def test_hf_example_saves_and_resumes(tmp_path):
     second = subprocess.run(common + ["--resume", ckpt], capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stderr and "step 6:" in second.stderr
+
+
+def test_hf_example_under_torchrun_with_two_processes(tmp_path):
+    """examples/hf_gpt2.py under torchrun --nproc_per_node 2: train, save, resume."""
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "hf_gpt2.py")
+    ckpt = str(tmp_path / "ckpt")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", example,
+           "--steps", "2", "--mb", "0.2", "--seq", "32"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.run(run + ["--save", ckpt], capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = subprocess.run(run + ["--resume", ckpt], capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "step 4:" in second.stderr
+    assert sorted(os.listdir(os.path.join(ckpt, "global_step2"))) == [
+        "manifest.json", "rank0.bin", "rank0.json", "rank1.bin", "rank1.json"]

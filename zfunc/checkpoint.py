@@ -38,7 +38,7 @@ from typing import Any
 import optree
 import torch
 
-from . import dist, layout, swap
+from . import dist, swap
 from .pytree import NAMESPACE, tree_unflatten
 from .tree import ModelSpec, Params
 
@@ -274,41 +274,53 @@ class Saved:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
             self.ranks.append((mm, {e["key"]: e for e in meta["tensors"]}, meta))
 
-    def tensor(self, rank: int, key: str) -> torch.Tensor:
+    def view(self, rank: int, key: str) -> torch.Tensor:
+        """Tensor ``key`` of rank ``rank``'s file, as a view of the mapped file (copy what you keep)."""
         mm, index, _ = self.ranks[rank]
         e = index[key]
         dtype = _DTYPES[e["dtype"]]
         n = 1
         for s in e["shape"]:
             n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if not nbytes:
+        if not n:
             return torch.empty(e["shape"], dtype=dtype)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=e["offset"])
-        return raw.view(dtype).reshape(e["shape"]).clone()
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=e["offset"]).view(dtype).reshape(e["shape"])
+
+    def tensor(self, rank: int, key: str) -> torch.Tensor:
+        return self.view(rank, key).clone()
+
+    def read_into(self, path: str, i: int, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Elements ``[start, start + len(out))`` of unit ``i``'s unpadded flat buffer in the Params node
+        at ``path`` (any saved world size; zeros past its end) into ``out``: only the saved shards that
+        overlap are read, so a load at the saved world size reads just this rank's file."""
+        lay = self.manifest["layouts"][path][i]
+        key = f"{path}#{i}"
+        if out.dim() == 0:
+            return out.copy_(self.view(0, key).reshape(()))
+        stop = min(start + out.numel(), lay["numel"])
+        if not lay["sharded"]:
+            if stop > start:
+                out[: stop - start].copy_(self.view(0, key)[start:stop])
+        else:
+            shard = self.view(0, key).numel()
+            pos = start
+            while pos < stop:
+                k, offset = divmod(pos, shard)
+                take = min(shard - offset, stop - pos)
+                out[pos - start: pos - start + take].copy_(self.view(k, key)[offset: offset + take])
+                pos += take
+        out[max(stop - start, 0):].zero_()  # padding
+        return out
 
     def unit(self, path: str, i: int) -> torch.Tensor:
         """Unit ``i`` of the Params node at ``path``: its whole unpadded flat buffer (or 0-d counter)."""
         lay = self.manifest["layouts"][path][i]
-        key = f"{path}#{i}"
-        if not lay["sharded"]:
-            t = self.tensor(0, key)
-            return t if t.dim() == 0 else t[: lay["numel"]]
-        return torch.cat([self.tensor(k, key) for k in range(self.world)])[: lay["numel"]]
+        e = self.ranks[0][1][f"{path}#{i}"]
+        return self.read_into(path, i, torch.empty(lay["numel"] if e["shape"] else (), dtype=_DTYPES[e["dtype"]]))
 
     def rng(self, rank: int) -> dict:
         return self.ranks[rank if rank < self.world else 0][2]["rng"]
-
-
-def _import_unit(full: torch.Tensor, leaf: torch.Tensor, sharded: bool, group) -> torch.Tensor:
-    """``full`` (whole, unpadded) laid out as ``leaf`` is: padded for this world size, this rank's shard."""
-    if leaf.dim() == 0:
-        return full.reshape(())
-    w = dist.world_size(group)
-    padded = layout.padded_numel(full.numel(), w) if sharded else leaf.numel()
-    out = torch.zeros(padded, dtype=full.dtype)
-    out[: full.numel()] = full
-    return layout.shard(out, dist.rank(group), w) if sharded else out
 
 
 def load(state, directory: str, tag: str | None = None, *, group=None):
@@ -333,16 +345,18 @@ def load(state, directory: str, tag: str | None = None, *, group=None):
     for path, node in zip(paths, nodes):
         if isinstance(node, Params):
             group_of_node = node.spec.process_group
+            r = dist.rank(group_of_node)
             for i, (leaf, sharded) in enumerate(zip(node.leaves, node.spec.sharded)):
                 if leaf is None:
                     continue
-                value = _import_unit(saved.unit(path, i), leaf, not _is_whole(leaf, sharded), group_of_node)
-                value = value.to(leaf.dtype)
+                # this rank's part of the unit laid out for this world size: its shard, or all of it
+                start = r * leaf.numel() if not _is_whole(leaf, sharded) else 0
                 if swap.on_disk(leaf):
+                    value = saved.read_into(path, i, torch.empty(leaf.shape, dtype=leaf.dtype), start)
                     store_of_leaf, _, _ = swap.locate(leaf)
                     store_of_leaf.write_now(value, leaf)
                 else:
-                    leaf.copy_(value)
+                    saved.read_into(path, i, leaf, start)
             out.append(node)
         elif isinstance(node, torch.Tensor):
             node.copy_(saved.tensor(0, path))

@@ -13,13 +13,11 @@ counters, the config and the model's ``state_dict`` keys in the manifest.
 """
 from __future__ import annotations
 
-import math
 import os
 import resource
 import sys
 import time
-import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
