@@ -117,6 +117,23 @@ def test_engine_checkpoint_at_two_resumes_at_one_and_three(stage, tmp_path):
             assert_close_to(r["params"], whole["params"])
 
 
+def eval_then_train(config: dict) -> dict:
+    """eval_batch and train_batch on the same micro-batches of a fresh engine."""
+    model = build("gpt")
+    shape = copy.deepcopy(model)
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    engine = zf.initialize(model, config, loss_fn=_gpt_loss)
+    evaluated = float(engine.eval_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps)))
+    before = engine.params()
+    trained = float(engine.train_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps)))
+    return {"eval": evaluated, "train": trained, "unchanged": before, "steps": engine.global_steps}
+
+
+def test_eval_batch_is_the_loss_without_the_update():
+    for r in workers(2).run(eval_then_train, _config(3)):
+        assert r["eval"] == pytest.approx(r["train"], rel=1e-6) and r["steps"] == 1
+
+
 def test_a_line_every_steps_per_print(capsys):
     [r] = workers(1).run(_print_run)
     lines = [line for line in r.splitlines() if line.startswith("step ")]
