@@ -68,6 +68,7 @@ MODES = {  # key -> description
     "zero3_nvme": "zfunc zero3(offload_nvme(...)): params, grads, optimizer state on disk",
     "zero3_nvme_small": "zfunc zero3(offload_nvme(..., sub_group_size=1e6)): the update streams from disk",
     "zero3_nvme_noprefetch": "zfunc zero3(offload_nvme(...)), coordinator prefetch off (reads and gathers on demand)",
+    "zero3_nvme_small_noprefetch": "zfunc zero3(offload_nvme(..., sub_group_size=1e6)), coordinator prefetch off",
     "ds3_nvme": "DeepSpeed ZeRO-3, params and optimizer state on NVMe",
 }
 

@@ -10,6 +10,7 @@ from . import checkpoint, dist, optim, swap, testing
 from .accumulate import accumulate
 from .coordinator import OrderChangedWarning, RanksDivergedError
 from .engine import Engine, RepeatingLoader, initialize
+from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, grad, value_and_grad
 from .loss_scale import LossScaler
 from .offload import offload_cpu
@@ -23,7 +24,7 @@ from .zero import set_units as units
 from .zero import zero1, zero2, zero3
 
 __all__ = [
-    "Engine", "LossScaler", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "dist", "eval_step",
+    "Engine", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "dist", "eval_step",
     "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

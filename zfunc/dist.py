@@ -276,3 +276,23 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     if world_size(group) > 1:
         _wait(dist.broadcast(t, group_src=src, group=group, async_op=True))
     return t
+
+
+def new_group(ranks: list[int]):
+    """A process group over ``ranks`` (every rank of the world calls it, in the same order)."""
+    if not is_initialized():
+        return None
+    group = dist.new_group(sorted(ranks))
+    group_key(group)
+    return group
+
+
+def send_start(t: torch.Tensor, dst: int, tag: int = 0) -> Pending:
+    """Start sending ``t`` to global rank ``dst`` (point to point); keep ``t`` until ``wait()``."""
+    return Pending(t, dist.isend(t.contiguous(), dst, tag=tag), keep=t)
+
+
+def recv(t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    """Fill ``t`` from global rank ``src`` (point to point); returns ``t``."""
+    _wait(dist.irecv(t, src, tag=tag))
+    return t

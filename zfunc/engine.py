@@ -130,10 +130,14 @@ def _optimizer(cfg, optimizer, lr_scheduler):
     return optimizer, schedule
 
 
-def compose(cfg, base: Step) -> Step:
-    """``base`` wrapped as the config says, in the order zfunc's rules ask (README, docs/architecture.md)."""
+def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> Step:
+    """``base`` wrapped as the config says, in the order zfunc's rules ask (README, docs/architecture.md).
+
+    ``group``: the ZeRO stage's process group (a pipeline stage's data-parallel group);
+    ``accumulate_micro``: wrap in ``accumulate`` (not for a pipeline stage, whose schedule
+    takes the micro-batches one by one)."""
     step = base
-    if cfg.gradient_accumulation_steps > 1 and not isinstance(base, EvalStep):  # eval: one micro-batch a call
+    if cfg.gradient_accumulation_steps > 1 and accumulate_micro and not isinstance(base, EvalStep):
         step = accumulate(step, cfg.gradient_accumulation_steps)
     if cfg.compute_dtype == torch.bfloat16:
         step = mixed_precision(step, torch.bfloat16)
@@ -167,11 +171,13 @@ def compose(cfg, base: Step) -> Step:
     elif opt_dev == "cpu":
         step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory)
     if z.stage == 1:
-        step = zero1(step)
+        step = zero1(step, group=group)
     elif z.stage == 2:
-        step = zero2(step)
+        step = zero2(step, group=group)
     elif z.stage == 3:
-        step = zero3(step, persistence_threshold=z.stage3_param_persistence_threshold, **coordinator)
+        step = zero3(step, group=group, persistence_threshold=z.stage3_param_persistence_threshold, **coordinator)
+    elif group is not None:
+        step = zero1(step, group=group)  # a pipeline stage's replicas still average their gradients there
     return step
 
 
@@ -385,8 +391,19 @@ def initialize(model: nn.Module, config, *, loss_fn: Callable | None = None, opt
     parameter that requires grad is trained). Keys that zfunc accepts but does not
     act on are listed in one warning.
     """
+    from .pipeline import PipelineModule
+
     dist.init()
     dist.check_launch()
+    if isinstance(model, PipelineModule):
+        from .pipeline_engine import PipelineEngine
+
+        if loss_fn is not None:
+            raise ValueError("a PipelineModule has its own loss_fn: give it there, not to zf.initialize")
+        # the batch keys count data-parallel replicas: W / stages of them
+        cfg = configuration.parse(config, dist.world_size() // model.num_stages or 1)
+        configuration.warn_ignored(cfg)
+        return PipelineEngine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
     cfg = configuration.parse(config, dist.world_size())
     configuration.warn_ignored(cfg)
     return Engine(model, cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler)

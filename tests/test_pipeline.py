@@ -1,0 +1,224 @@
+"""Pipeline parallelism (zfunc.pipeline, zfunc.pipeline_engine) against the unpipelined model
+on plain PyTorch: fp32 within 1e-5, for P = 2, 3 and P = 2 x DP = 2, 1F1B and GPipe."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc as zf
+from test_zero_equivalence import assert_close_to
+from workers import workers
+
+VOCAB, D, T, LR = 11, 8, 5, 1e-3
+BUILT: list = []  # constructor calls in this process: (class name, seed)
+
+
+class Emb(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        BUILT.append(("Emb", seed))
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(VOCAB, D, generator=g) * 0.5)
+
+    def forward(self, ids):
+        return self.weight[ids]
+
+
+def lm_head(emb: Emb, h):
+    return h @ emb.weight.t()
+
+
+class Lin(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        BUILT.append(("Lin", seed))
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(D, D, generator=g) * 0.3)
+        self.bias = nn.Parameter(torch.randn(D, generator=g) * 0.1)
+
+    def forward(self, x):
+        return x + torch.tanh(x @ self.weight.t() + self.bias)
+
+
+class Split(nn.Module):
+    """Passes a pair on: a tuple activation."""
+
+    def forward(self, x):
+        return x, torch.sigmoid(x)
+
+
+class Join(nn.Module):
+    def forward(self, a, b):
+        return a * b
+
+
+class Dict(nn.Module):
+    def forward(self, x):
+        return {"h": x}
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def layers():
+    return [zf.TiedLayerSpec("emb", Emb, 1), zf.LayerSpec(Lin, 2), zf.LayerSpec(Lin, 3), zf.LayerSpec(Split),
+            zf.LayerSpec(Join), zf.LayerSpec(Lin, 4), zf.LayerSpec(Lin, 5),
+            zf.TiedLayerSpec("emb", Emb, 1, forward_fn=lm_head)]
+
+
+def pipe(stages: int, schedule: str = "1f1b", method: str = "uniform"):
+    return zf.PipelineModule(layers(), stages, lm_loss, partition_method=method, schedule=schedule)
+
+
+def micro_batch(step: int, m: int, replica: int, size: int = 2):
+    g = torch.Generator().manual_seed(1000 * step + 10 * m + replica)
+    x = torch.randint(0, VOCAB, (size, T + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def config(micro: int, stage: int = 1, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": micro, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+def run_pipeline(stages: int, micro: int, steps: int, schedule: str, stage: int = 1, extra=None) -> dict:
+    engine = zf.initialize(pipe(stages, schedule), config(micro, stage, **(extra or {})))
+    replica = engine.grid.replica
+    losses = []
+    for i in range(steps):
+        data = iter([micro_batch(i, m, replica) for m in range(micro)])
+        losses.append(float(engine.train_batch(data)))
+    return {"stage": engine.grid.stage, "params": engine.params(), "losses": losses,
+            "eval": float(engine.eval_batch(iter([micro_batch(steps, m, replica) for m in range(micro)])))}
+
+
+def reference(stages: int, micro: int, steps: int, replicas: int) -> dict:
+    """The whole model in one process, torch.optim.AdamW, the mean loss over all micro-batches."""
+    model = pipe(stages).build_all()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = sum(lm_loss(model(x), y) for m in range(micro) for x, y in [micro_batch(i, m, d) for d in range(replicas)])
+        loss = loss / (micro * replicas)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        ev = sum(lm_loss(model(x), y) for m in range(micro) for x, y in [micro_batch(steps, m, d) for d in range(replicas)])
+    return {"model": model, "losses": losses, "eval": ev.item() / (micro * replicas)}
+
+
+def _stage_params(model, p, stage: int) -> dict:
+    """The reference's weights named as stage ``stage``'s module names them."""
+    stage_module = p.build(stage)
+    full = dict(model.named_parameters())
+    names = {}
+    for i, kind, what in stage_module._calls:
+        if kind == "module":
+            src = [j for j, k, _ in model._calls if j == i][0]
+            for n, _ in stage_module.layers[what].named_parameters():
+                names[f"layers.{what}.{n}"] = full[f"layers.{_module_index(model, src)}.{n}"]
+        elif kind == "tied":
+            k = stage_module.tied_keys.index(what.key)
+            for n, _ in stage_module.tied[k].named_parameters():
+                names[f"tied.{k}.{n}"] = full[f"tied.{model.tied_keys.index(what.key)}.{n}"]
+    return names
+
+
+def _module_index(model, layer: int) -> int:
+    return next(w for j, k, w in model._calls if j == layer and k == "module")
+
+
+def _check(results, stages, micro, steps, replicas):
+    ref = reference(stages, micro, steps, replicas)
+    p = pipe(stages)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert r["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+        expected = _stage_params(ref["model"], p, r["stage"])
+        assert_close_to(dict(sorted(r["params"].items())), {k: v.detach() for k, v in sorted(expected.items())})
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("micro", [1, 2, 3, 8])
+def test_two_stages_equal_the_unpipelined_model(micro, schedule):
+    """P = 2: the embedding and the LM head tied across the first and last stage, a tuple
+    activation crossing the cut, micro-batch counts 1 to 8."""
+    _check(workers(2).run(run_pipeline, 2, micro, 3, schedule), 2, micro, 3, 1)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_three_stages_equal_the_unpipelined_model(schedule):
+    _check(workers(3).run(run_pipeline, 3, 4, 3, schedule), 3, 4, 3, 1)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_stages_by_two_replicas_with_zero_inside_each_stage(stage):
+    """P = 2 x DP = 2 on W = 4: zero1/zero2 inside each stage's data-parallel group."""
+    results = workers(4).run(run_pipeline, 2, 3, 3, "1f1b", stage)
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]  # DeepSpeed's order: rank = stage * D + replica
+    _check(results, 2, 3, 3, 2)
+
+
+def test_bf16_per_stage_trains_close_to_fp32():
+    results = workers(2).run(run_pipeline, 2, 2, 3, "1f1b", 1, {"bf16": {"enabled": True}})
+    ref = reference(2, 2, 3, 1)
+    for r in results:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=2e-2)
+
+
+def build_one_stage(stages: int, method: str) -> dict:
+    BUILT.clear()
+    p = pipe(stages, method=method)
+    counted = list(BUILT)
+    BUILT.clear()
+    module = p.build(zf.dist.rank() % stages)
+    return {"counted": counted, "built": list(BUILT), "parts": p.parts,
+            "params": sum(t.numel() for t in module.parameters())}
+
+
+def test_a_stage_builds_only_its_layers():
+    """With 'uniform' no constructor of another stage runs; 'parameters' counts on the meta device."""
+    [first, last] = workers(2).run(build_one_stage, 2, "uniform")
+    assert first["counted"] == [] and last["counted"] == []
+    assert first["built"] == [("Emb", 1), ("Lin", 2), ("Lin", 3)]
+    assert last["built"] == [("Lin", 4), ("Lin", 5), ("Emb", 1)]
+    whole = sum(t.numel() for t in pipe(2).build_all().parameters())
+    assert first["params"] + last["params"] == whole + VOCAB * D  # the tied embedding twice, all else once
+    [by_params, _] = workers(2).run(build_one_stage, 2, "parameters")
+    assert len(by_params["counted"]) == 6  # every LayerSpec with parameters, once, on the meta device
+
+
+def test_partition_methods():
+    assert pipe(2, method="uniform").parts == [0, 4, 8]
+    assert pipe(2, method="type:lin").parts[1] in (3, 4, 5, 6)
+    weights = zf.pipeline.balance([5, 1, 1, 1, 1, 5], 2)
+    assert weights == [0, 3, 6]
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="9 stages need at least 9 layers; this model has 8"):
+        pipe(9)
+    with pytest.raises(ValueError, match="partition_method must be"):
+        pipe(2, method="size")
+    with pytest.raises(ValueError, match="matches 0 layers"):
+        pipe(2, method="type:conv")
+    bad = zf.PipelineModule([zf.LayerSpec(Lin, 1), zf.LayerSpec(Dict), zf.LayerSpec(Lin, 2)], 1, lm_loss)
+    with pytest.raises(TypeError, match=r"pipeline layer 1 \(Dict\) returned a dict"):
+        bad.build_all()(torch.zeros(2, D))
+
+
+def grid_of_three() -> str:
+    try:
+        zf.initialize(pipe(2), config(1))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_world_the_grid_does_not_divide_is_named():
+    for message in workers(3).run(grid_of_three):
+        assert "world size 3 does not split into 2 pipeline stages" in message

@@ -1,0 +1,357 @@
+"""The pipeline engine: each rank runs its stage's schedule (zfunc.schedules) on its own state.
+
+A stage is an ordinary zfunc state over its ``StageModule`` (each layer a unit), built
+by the step the config asks for, with the ZeRO stage inside the stage's
+data-parallel group: ``zero1/zero2(mixed_precision(train_step(...)), group=data)``.
+The interpreter runs the stage's instruction list inside one ``materialized``
+set-up: a forward runs the stage on the received activations through the
+state's parameters; a backward gives autograd the received output gradient,
+and each unit's gradient goes to a ``GradSink`` (zfunc.accumulate) that sums the
+micro-batches in fp32 and reduces over the data-parallel group in the last one.
+Then tied modules' gradients are summed over the stages that own them, one
+all-reduce over the world agrees on the loss, non-finite gradients and the
+global norm (a tied module counted once), and the stage's step updates its part
+with ``1/micro_batches`` folded into the scale, as ``accumulate`` does.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Iterator
+
+import torch
+
+from . import dist, lazy, schedules as S
+from .accumulate import GradSink
+from .grad import apply, grad_spec, materialized
+from .optim import GradInfo, apply_update
+from .ops import cpu_adam
+from .pipeline import PipelineModule, make_grid
+from .state import State, gather_params
+from .step import train_step
+from .tree import Params
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
+           torch.uint8, torch.int8, torch.int16]
+ACT, GRAD = 0, 1  # tags: activations go forward, gradients come back
+
+
+class _Link:
+    """Point-to-point transfers with one peer in one direction; tensor shapes sent the first time
+    and cached (they are the same for every micro-batch), so later transfers carry data only."""
+
+    def __init__(self, peer: int, tag: int):
+        self.peer, self.tag = peer, tag
+        self.meta: list[tuple[torch.dtype, tuple]] | None = None
+        self.pending: list = []
+
+    def send(self, tensors: tuple) -> None:
+        if self.meta is None:
+            self.meta = [(t.dtype, tuple(t.shape)) for t in tensors]
+            code = [len(tensors)]
+            for t in tensors:
+                code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+            code = torch.tensor(code, dtype=torch.int64)
+            self.pending.append(dist.send_start(torch.tensor([code.numel()], dtype=torch.int64), self.peer, self.tag))
+            self.pending.append(dist.send_start(code, self.peer, self.tag))
+        for t in tensors:
+            self.pending.append(dist.send_start(t.detach(), self.peer, self.tag))
+
+    def recv(self) -> tuple:
+        if self.meta is None:
+            n = dist.recv(torch.zeros(1, dtype=torch.int64), self.peer, self.tag)
+            code = dist.recv(torch.zeros(int(n), dtype=torch.int64), self.peer, self.tag).tolist()
+            meta, k = [], 1
+            for _ in range(code[0]):
+                dtype, ndim = _DTYPES[code[k]], code[k + 1]
+                meta.append((dtype, tuple(code[k + 2: k + 2 + ndim])))
+                k += 2 + ndim
+            self.meta = meta
+        return tuple(dist.recv(torch.empty(shape, dtype=dtype), self.peer, self.tag) for dtype, shape in self.meta)
+
+    def finish(self) -> None:
+        while self.pending:
+            self.pending.pop(0).wait()
+
+
+def _split_batch(batch):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError(f"a pipeline micro-batch is a pair (inputs, labels), got {type(batch).__name__}")
+    inputs, labels = batch
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), labels
+
+
+class PipelineEngine:
+    """``zf.initialize(PipelineModule(...), config)``: train_batch / eval_batch over the pipeline."""
+
+    def __init__(self, pipe: PipelineModule, cfg, *, optimizer=None, lr_scheduler=None):
+        from .engine import _optimizer, compose
+
+        self._check_config(cfg)
+        self.config, self.pipe = cfg, pipe
+        self.schedule_name = pipe.schedule
+        self.grid = grid = make_grid(pipe)
+        self.module = pipe.build(grid.stage)
+        self._tie_initial_weights()
+        opt, self.schedule = _optimizer(cfg, optimizer, lr_scheduler)
+
+        def no_loss(params, batch):  # the interpreter drives forward and backward itself
+            raise RuntimeError("a pipeline stage's step is driven by its schedule, not called")
+
+        self.step_fn = compose(cfg, train_step(no_loss, opt), group=grid.data_group, accumulate_micro=False)
+        self.state = self.step_fn.init(self.module)
+        self.tied_units = self._tied_units()
+        self.global_steps = 0
+        self.global_samples = 0
+        self.last_metrics: dict = {}
+        self.fwd = _Link(grid.next, ACT) if grid.stage < grid.stages - 1 else None  # activations out
+        self.fwd_in = _Link(grid.prev, ACT) if grid.stage > 0 else None
+        self.bwd = _Link(grid.prev, GRAD) if grid.stage > 0 else None  # input gradients out
+        self.bwd_in = _Link(grid.next, GRAD) if grid.stage < grid.stages - 1 else None
+
+    @staticmethod
+    def _check_config(cfg) -> None:
+        z = cfg.zero
+        if z.stage == 3:
+            raise ValueError("zero_optimization.stage 3 with pipeline parallelism is not supported (as in DeepSpeed): "
+                             "use stage 1 or 2 inside each stage's data-parallel group")
+        for name in ("offload_param", "offload_optimizer"):
+            section = getattr(z, name)
+            if section is not None and section.device != "none":
+                raise ValueError(f"zero_optimization.{name} with pipeline parallelism is not supported yet")
+        if cfg.compute_dtype == torch.float16:
+            raise ValueError("fp16 with pipeline parallelism is not supported yet: use bf16")
+
+    # ------------------------------------------------------------------ set-up
+
+    def _tie_initial_weights(self) -> None:
+        """Every copy of a tied module starts from the first owning stage's values."""
+        for key, group in self.grid.tied_groups.items():
+            if group is None:
+                continue
+            module = self.module.tied[self.module.tied_keys.index(key)]
+            with torch.no_grad():
+                for p in module.parameters():
+                    dist.broadcast(p.data, 0, group)
+
+    def _tied_units(self) -> dict[str, int]:
+        """Tied key -> its unit index in this stage's state."""
+        names = [u.name for u in self.state.params.spec.model.units]
+        return {key: names.index(f"tied.{i}") for i, key in enumerate(self.module.tied_keys)}
+
+    # ----------------------------------------------------------------- batches
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def _pull(self, data_iter) -> list:
+        """The step's micro-batches (first and last stage only: the others need no data)."""
+        if not (self.module.first or self.module.last):
+            return [None] * self.micro_batches
+        if data_iter is None:
+            raise ValueError(f"stage {self.grid.stage} (the {'first' if self.module.first else 'last'}) needs "
+                             "data_iter: an iterator over (inputs, labels) micro-batches")
+        out = []
+        for _ in range(self.micro_batches):
+            try:
+                out.append(_split_batch(next(data_iter)))
+            except StopIteration:
+                raise StopIteration(f"data_iter ended after {len(out)} of the {self.micro_batches} micro-batches of a "
+                                    "step; wrap the loader in zf.RepeatingLoader") from None
+        return out
+
+    # ------------------------------------------------------------- interpreter
+
+    def _run(self, program, micro: list, train: bool):
+        """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None)."""
+        state, module = self.state, self.module
+        buffers = self.step_fn._buffers(state)
+        inputs, outputs, out_grads, labels, losses = {}, {}, {}, {}, {}
+        n = len(micro)
+        grads = None
+        grad_ctx = torch.enable_grad() if train else torch.no_grad()
+        with grad_ctx, materialized(state.params, state.frozen, buffers, differentiable=train) as (view, tracker, _):
+            sink = GradSink(grad_spec(state.params.spec)) if train else None
+            tracker.sink = sink
+            for ins in program:
+                m = ins.micro_batch
+                if isinstance(ins, S.LoadMicroBatch):
+                    x, y = micro[m]
+                    if module.first:
+                        inputs[m] = x
+                    if module.last:
+                        labels[m] = y
+                elif isinstance(ins, S.RecvActivation):
+                    inputs[m] = tuple(t.requires_grad_() if train and t.is_floating_point() else t
+                                      for t in self.fwd_in.recv())
+                elif isinstance(ins, S.Forward):
+                    with lazy.resolving(view), tracker.hooks():
+                        out = apply(module, view, *inputs[m])
+                        if module.last:
+                            losses[m] = self._loss(out, labels.pop(m))
+                        else:
+                            outputs[m] = out if isinstance(out, tuple) else (out,)
+                elif isinstance(ins, S.SendActivation):
+                    self.fwd.send(outputs[m] if train else outputs.pop(m))
+                elif isinstance(ins, S.RecvGrad):
+                    out_grads[m] = self.bwd_in.recv()
+                elif isinstance(ins, S.Backward):
+                    sink.last = m == n - 1
+                    with lazy.resolving(tracker):
+                        if module.last:
+                            torch.autograd.backward(losses[m])
+                        else:
+                            pairs = [(o, g) for o, g in zip(outputs.pop(m), out_grads.pop(m)) if o.requires_grad]
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                elif isinstance(ins, S.SendGrad):
+                    xs = inputs.pop(m)
+                    self.bwd.send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
+                                        for x in xs if x.is_floating_point()))
+                elif isinstance(ins, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
+                    pass  # after the set-up closes: see _update
+            if train:
+                tracker.finish()
+                grads = sink.grads()
+        for link in (self.fwd, self.bwd):
+            if link is not None:
+                link.finish()
+        return [losses[m].detach().float() for m in sorted(losses)], grads
+
+    def _loss(self, out, y) -> torch.Tensor:
+        loss = self.pipe.loss_fn(out, y)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise TypeError(f"the pipeline's loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        return loss.reshape(())
+
+    # ----------------------------------------------------------------- update
+
+    def _agree(self, losses: list, grads: Params) -> tuple[float, float, bool]:
+        """One all-reduce over the world: the loss (last stage), the global squared norm (each
+        shard once, each whole gradient once per stage, a tied module on its first stage only),
+        and whether any gradient is non-finite."""
+        grid = self.grid
+        skip = {u for key, u in self.tied_units.items() if self.pipe.tied_stages()[key][0] != grid.stage}
+        sq_shard = sq_whole = bad = 0.0
+        for i, (g, shard) in enumerate(zip(grads.leaves, grads.spec.sharded)):
+            if g is None or g.numel() == 0:
+                continue
+            sq, finite = cpu_adam.nonfinite_and_sq_norm([g])
+            bad += float(not finite)
+            if i in skip:
+                continue
+            if shard:
+                sq_shard += sq
+            elif grid.replica == 0:
+                sq_whole += sq
+        loss = float(torch.stack(losses).mean()) if losses else 0.0
+        vec = torch.tensor([loss, sq_shard, sq_whole, bad], dtype=torch.float64, device=dist.device_of(None))
+        dist.all_reduce_sum(vec)
+        return vec[0].item() / grid.replicas, vec[1].item() + vec[2].item(), bool(vec[3].item())
+
+    def _reduce_tied(self, grads: Params) -> None:
+        for key, unit in self.tied_units.items():
+            group = self.grid.tied_groups.get(key)
+            g = grads.leaves[unit]
+            if group is not None and g is not None:
+                dist.all_reduce_sum(g, group)
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One step over ``gradient_accumulation_steps`` micro-batches (pulled by the first and last
+        stages); returns the mean loss on every rank."""
+        micro = self._pull(data_iter)
+        program = S.schedule(self.schedule_name, len(micro), self.grid.stages, self.grid.stage)
+        start = time.perf_counter()
+        state = self.state
+        losses, grads = self._run(program, micro, train=True)
+        self._reduce_tied(grads)
+        loss, sq_norm, nonfinite = self._agree(losses, grads)
+        metrics = {"loss": torch.tensor(loss, dtype=torch.float32), "grad_norm": sq_norm ** 0.5 / len(micro),
+                   "skipped": nonfinite}
+        if nonfinite and self.step_fn.nonfinite == "raise":
+            raise FloatingPointError(f"step {int(state.count)}: non-finite gradient (inf or NaN) on stage "
+                                     f"{self.grid.stage} or another; the state was not updated")
+        if not nonfinite:
+            info = GradInfo(scale=1.0 / len(micro), sq_norm=sq_norm)
+            params, opt_state = apply_update(self.step_fn._update_part(), grads, state.opt_state, state.params,
+                                             info=info)
+            object.__setattr__(state, "_donated", True)
+            self.state = State(params, opt_state, state.frozen, state.buffers, state.count + 1, state.plan,
+                               state.loss_scale)
+        self.global_steps += 1
+        self.global_samples += self.config.micro_batch_size * len(micro) * self.grid.replicas
+        metrics["step_s"] = time.perf_counter() - start
+        self.last_metrics = metrics
+        self._report(metrics)
+        return metrics["loss"]
+
+    def eval_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """The mean loss over the next micro-batches, forward only; on every rank."""
+        micro = self._pull(data_iter)
+        program = [i for i in S.gpipe(len(micro), self.grid.stages, self.grid.stage)
+                   if isinstance(i, (S.LoadMicroBatch, S.RecvActivation, S.Forward, S.SendActivation))]
+        losses, _ = self._run(program, micro, train=False)
+        vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], dtype=torch.float64)
+        dist.all_reduce_sum(vec)
+        return torch.tensor(vec.item() / self.grid.replicas, dtype=torch.float32)
+
+    def _report(self, metrics: dict) -> None:
+        every = self.config.steps_per_print
+        if dist.rank() != 0 or not every or self.global_steps % every:
+            return
+        lr = self.get_lr()
+        print(f"step {self.global_steps} | loss {float(metrics['loss']):.4f}" + (f" | lr {lr[0]:.3e}" if lr else "")
+              + f" | {metrics['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ reading
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """This stage's full fp32 weights, keyed like its StageModule's parameters."""
+        return gather_params(self.state)
+
+    def get_lr(self) -> list[float]:
+        if self.schedule is None:
+            o = self.config.optimizer
+            return [o.lr] if o is not None else []
+        return [float(self.schedule(int(self.state.count)))]
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state=None) -> str:
+        """Each stage's state under ``save_dir/stage{s}`` (loadable at another data-parallel size
+        with the same stages; another pipeline shape is not supported yet)."""
+        import os
+
+        from . import checkpoint
+
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        extra = {"engine": {"global_steps": self.global_steps, "global_samples": self.global_samples},
+                 "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts}, "config": self.config.raw,
+                 "client_state": client_state or {}}
+        folder = checkpoint.save(self.state, os.path.join(save_dir, f"stage{self.grid.stage}"), tag, extra=extra,
+                                 group=self.grid.data_group)
+        dist.barrier()
+        return folder
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None):
+        import os
+
+        from . import checkpoint
+
+        folder = os.path.join(load_dir, f"stage{self.grid.stage}")
+        saved = checkpoint.Saved(checkpoint.resolve(folder, tag)).manifest.get("pipeline", {})
+        if saved.get("stages") != self.grid.stages or saved.get("parts") != self.pipe.parts:
+            raise ValueError(f"this checkpoint was saved with {saved.get('stages')} stages (layer cuts "
+                             f"{saved.get('parts')}); loading it at another pipeline shape ({self.grid.stages} "
+                             f"stages, cuts {self.pipe.parts}) is not supported yet")
+        self.state, manifest = checkpoint.load(self.state, folder, tag, group=self.grid.data_group)
+        counters = manifest.get("engine", {})
+        self.global_steps = counters.get("global_steps", int(self.state.count))
+        self.global_samples = counters.get("global_samples", 0)
+        return folder, manifest.get("client_state", {})
+
+    def close(self) -> None:
+        self.state.close()
+
