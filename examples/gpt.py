@@ -94,6 +94,33 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class Embed(nn.Module):
+    """Token plus position embeddings: a pipeline's first layer, whose token table the last
+    stage reads again as the LM head (``lm_head``), tied across the two stages."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        for e in (self.tok_emb, self.pos_emb):
+            nn.init.normal_(e.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx):
+        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+
+
+def lm_head(embed, x):
+    return F.linear(x, embed.tok_emb.weight)
+
+
+def pipeline_layers(cfg):
+    """The GPT as a list of pipeline layers (built lazily, stage by stage), the head tied to the embedding."""
+    import zfunc as zf
+
+    return [zf.TiedLayerSpec("embed", Embed, cfg), *[zf.LayerSpec(Block, cfg) for _ in range(cfg.n_layers)],
+            zf.LayerSpec(nn.LayerNorm, cfg.d_model), zf.TiedLayerSpec("embed", Embed, cfg, forward_fn=lm_head)]
+
+
 def num_params(model):
     return sum(p.numel() for p in model.parameters())  # tied weights are counted once
 

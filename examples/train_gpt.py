@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 import zfunc as zf
 from zfunc.ops import cpu_adam
-from gpt import GPT, GPTConfig, decode, encode, generate, get_batch, num_params, rank_generator, split, stdlib_corpus
+from gpt import (GPT, GPTConfig, decode, encode, generate, get_batch, num_params, pipeline_layers, rank_generator,
+                 split, stdlib_corpus)
 
 # flags avoid --d.../--n... prefixes: torchrun would take them for its own options
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,12 +45,57 @@ parser.add_argument("--mb", type=float, default=4.0, help="MB of stdlib source t
 parser.add_argument("--eval-batches", type=int, default=8)
 parser.add_argument("--sample", type=int, default=300, help="bytes to generate at the end")
 parser.add_argument("--seed", type=int, default=1337)
+parser.add_argument("--pipeline", type=int, default=1,
+                    help="pipeline stages (under torchrun with a multiple of this many processes); the rest of the "
+                         "ranks are data-parallel replicas of each stage, with --zero 1 or 2 inside them")
 args = parser.parse_args()
 
 zf.dist.init()  # under torchrun: a gloo process group from the environment; a no-op otherwise
 rank, world = zf.dist.rank(), zf.dist.world_size()
 master = rank == 0
 torch.manual_seed(args.seed)  # every rank builds the same initial model
+
+
+def train_pipeline():
+    """--pipeline P: the GPT as P stages through zf.initialize, embedding and head tied across
+    the first and last stage; each data-parallel replica samples its own micro-batches."""
+    train_data, _ = split(stdlib_corpus(args.mb))
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq, d_model=args.width, n_layers=args.layers, n_heads=args.heads)
+
+    def lm_loss(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    pipe = zf.PipelineModule(pipeline_layers(cfg), args.pipeline, lm_loss)
+    if args.batch % args.accumulate:
+        parser.error(f"--batch {args.batch} does not split into --accumulate {args.accumulate} micro-batches")
+    config = {"train_micro_batch_size_per_gpu": args.batch // args.accumulate,
+              "gradient_accumulation_steps": args.accumulate, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": min(args.zero, 2)}}
+    if args.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine = zf.initialize(pipe, config)
+    gen = rank_generator(args.seed, engine.grid.replica)
+
+    def micro_batches():
+        while True:
+            yield get_batch(train_data, engine.config.micro_batch_size, args.seq, gen)
+
+    data = micro_batches()
+    if master:
+        print(f"{args.pipeline} pipeline stages x {engine.grid.replicas} data-parallel replica(s), layer cuts "
+              f"{pipe.parts}, {engine.gradient_accumulation_steps} micro-batches a step ({pipe.schedule})")
+    bar = tqdm(range(args.steps), disable=not master, dynamic_ncols=True)
+    for _ in bar:
+        bar.set_postfix_str(f"loss {engine.train_batch(data).item():.3f}")
+    bar.close()
+    engine.close()
+    zf.dist.shutdown()
+
+
+if args.pipeline > 1:
+    train_pipeline()
+    raise SystemExit(0)
 
 # -----------------------------------------------------------------------------
 # data and model

@@ -175,6 +175,7 @@ class PipelineEngine:
         n = len(micro)
         grads = None
         grad_ctx = torch.enable_grad() if train else torch.no_grad()
+        self.busy_s = 0.0  # time in Forward and Backward: the rest of a step is the bubble and communication
         with grad_ctx, materialized(state.params, state.frozen, buffers, differentiable=train) as (view, tracker, _):
             sink = GradSink(grad_spec(state.params.spec)) if train else None
             tracker.sink = sink
@@ -190,24 +191,28 @@ class PipelineEngine:
                     inputs[m] = tuple(t.requires_grad_() if train and t.is_floating_point() else t
                                       for t in self.fwd_in.recv())
                 elif isinstance(ins, S.Forward):
+                    t0 = time.perf_counter()
                     with lazy.resolving(view), tracker.hooks():
                         out = apply(module, view, *inputs[m])
                         if module.last:
                             losses[m] = self._loss(out, labels.pop(m))
                         else:
                             outputs[m] = out if isinstance(out, tuple) else (out,)
+                    self.busy_s += time.perf_counter() - t0
                 elif isinstance(ins, S.SendActivation):
                     self.fwd.send(outputs[m] if train else outputs.pop(m))
                 elif isinstance(ins, S.RecvGrad):
                     out_grads[m] = self.bwd_in.recv()
                 elif isinstance(ins, S.Backward):
                     sink.last = m == n - 1
+                    t0 = time.perf_counter()
                     with lazy.resolving(tracker):
                         if module.last:
                             torch.autograd.backward(losses[m])
                         else:
                             pairs = [(o, g) for o, g in zip(outputs.pop(m), out_grads.pop(m)) if o.requires_grad]
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    self.busy_s += time.perf_counter() - t0
                 elif isinstance(ins, S.SendGrad):
                     xs = inputs.pop(m)
                     self.bwd.send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
@@ -285,6 +290,7 @@ class PipelineEngine:
         self.global_steps += 1
         self.global_samples += self.config.micro_batch_size * len(micro) * self.grid.replicas
         metrics["step_s"] = time.perf_counter() - start
+        metrics["busy_s"] = self.busy_s
         self.last_metrics = metrics
         self._report(metrics)
         return metrics["loss"]

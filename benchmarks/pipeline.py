@@ -1,0 +1,176 @@
+"""Pipeline parallelism: the bubble against the ideal, and step time beside DeepSpeed's PipelineModule.
+
+    python benchmarks/pipeline.py                # P = 2 and 3, m = 1..8 micro-batches
+    python benchmarks/pipeline.py --small        # smoke test
+
+The anchor GPT (4 blocks, d_model 512, vocab 8192, seq 256) as pipeline layers
+(embedding and LM head tied across the first and last stage), micro-batches of
+one sequence, gloo on CPU, one thread per stage. Bubble fraction per stage: 1 -
+(time in its forwards and backwards) / step time, the mean over stages; the ideal
+for 1F1B and GPipe is (p - 1) / (m + p - 1). DeepSpeed's PipelineModule trains
+the same layers (its TiedLayerSpec, its own 1F1B TrainSchedule) with the same
+batches; its step time is measured the same way (median over the timed steps).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+from _launch import launch  # noqa: E402
+from gpt import Block, Embed, GPTConfig, lm_head  # noqa: E402
+
+import zfunc as zf  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stages", default="2,3")
+    p.add_argument("--micro", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--tools", default="zfunc,ds")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--p", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.small:
+        args.layers, args.width, args.vocab, args.seq, args.steps, args.warmup = 4, 64, 256, 32, 3, 1
+        args.micro = "1,4"
+    return args
+
+
+class TiedEmbed(Embed):
+    """``weight``: the token table, which DeepSpeed's TiedLayerSpec synchronises by that name."""
+
+    @property
+    def weight(self):
+        return self.tok_emb.weight
+
+
+def layers_of(cfg, layer_spec, tied_spec):
+    return [tied_spec("embed", TiedEmbed, cfg), *[layer_spec(Block, cfg) for _ in range(cfg.n_layers)],
+            layer_spec(torch.nn.LayerNorm, cfg.d_model), tied_spec("embed", TiedEmbed, cfg, forward_fn=lm_head)]
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def batches(args, step):
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(args.m):
+        x = torch.randint(args.vocab, (1, args.seq + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def run_zfunc(args, cfg):
+    torch.manual_seed(0)
+    pipe = zf.PipelineModule(layers_of(cfg, zf.LayerSpec, zf.TiedLayerSpec), args.p, lm_loss,
+                             partition_method="type:Block")
+    engine = zf.initialize(pipe, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m,
+                                  "gradient_clipping": 0.0,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}})
+    times, bubbles = [], []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        engine.train_batch(iter(batches(args, i)))
+        dt = time.perf_counter() - t0
+        busy = torch.tensor([engine.last_metrics["busy_s"], dt], dtype=torch.float64)
+        dist.all_reduce(busy)  # mean over stages of busy time, of step time
+        if i >= args.warmup:
+            times.append(dt)
+            bubbles.append(1 - busy[0].item() / busy[1].item())
+    return times, bubbles
+
+
+def run_deepspeed(args, cfg):
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    torch.manual_seed(0)
+    model = PipelineModule(layers=layers_of(cfg, LayerSpec, TiedLayerSpec), num_stages=args.p, loss_fn=lm_loss, partition_method="type:Block")
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+              "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        engine.train_batch(iter(batches(args, i)))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times, None
+
+
+def worker(args):
+    torch.set_num_threads(1)
+    if args.worker == "ds":
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
+                    n_heads=8 if args.width % 8 == 0 else 4)
+    times, bubbles = (run_deepspeed if args.worker == "ds" else run_zfunc)(args, cfg)
+    if dist.get_rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump({"step_s": statistics.median(times), "bubble": None if bubbles is None else statistics.median(bubbles)}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(args):
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in map(int, args.stages.split(",")):
+            for m in map(int, args.micro.split(",")):
+                row = {"p": p, "m": m}
+                for tool in args.tools.split(","):
+                    result = os.path.join(tmp, f"{tool}.{p}.{m}.json")
+                    argv = [os.path.abspath(__file__), "--worker", tool, "--m", str(m), "--p", str(p), "--result", result] + [
+                        f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "layers", "width", "vocab", "seq")]
+                    rcs = launch(argv, p, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, timeout=900)
+                    if any(rcs) or not os.path.exists(result):
+                        row[tool] = None
+                        continue
+                    with open(result) as f:
+                        row[tool] = json.load(f)
+                print(row, file=sys.stderr)
+                rows.append(row)
+    print(f"\nGPT, {args.layers} blocks, d_model {args.width}, vocab {args.vocab}, seq {args.seq}, micro-batches of "
+          f"1 sequence, gloo CPU, one thread per stage; median over {args.steps} steps after {args.warmup}\n")
+    print("| stages p | micro-batches m | ideal bubble (p-1)/(m+p-1) | zfunc bubble | zfunc step s | DeepSpeed step s "
+          "| zfunc / DeepSpeed |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ideal = (r["p"] - 1) / (r["m"] + r["p"] - 1)
+        z, d = r.get("zfunc"), r.get("ds")
+        ratio = f"{z['step_s'] / d['step_s']:.2f}" if z and d else ""
+        print(f"| {r['p']} | {r['m']} | {ideal:.3f} | {'' if not z else format(z['bubble'], '.3f')} | "
+              f"{'failed' if not z else format(z['step_s'], '.3f')} | {'failed' if not d else format(d['step_s'], '.3f')} | {ratio} |")
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    if args.worker:
+        worker(args)
+    else:
+        main(args)
