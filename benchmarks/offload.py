@@ -52,6 +52,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nvme-path", default=None, help="folder for swap files (default: under $TMPDIR)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank (smaller: the step is more I/O-bound)")
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--small", action="store_true", help="a tiny model, for smoke testing")
     p.add_argument("--json", default=None)
     p.add_argument("--scale", action="store_true", help="the scale run instead of the table")
@@ -152,7 +154,8 @@ def prefetch_lines(results, modes):
 
 def main(args):
     zargs = ["--modes", args.modes, "--precision", args.precision, "--steps", str(args.steps),
-             "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
+             "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)] + (
+                 ["--small"] if args.small else [])
     zv = zvf.parse_args(zargs)
     results = {m: [] for m in zv.modes}
     with tempfile.TemporaryDirectory(prefix="offload-bench.") as tmp:

@@ -113,8 +113,9 @@ KILLED_SAVE = textwrap.dedent("""
     checkpoint.save(state, {directory!r}, "first")
     state, _ = step(state, x)
     written = []
-    def die_midway(file, data):  # the second save dies after its first tensor
-        file.write(data)
+    def die_midway(io, data, path, offset):  # the second save dies after its first tensor
+        io.pwrite(data, path, offset)
+        io.wait()
         written.append(1)
         if len(written) == 2:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -222,3 +222,55 @@ def grid_of_three() -> str:
 def test_a_world_the_grid_does_not_divide_is_named():
     for message in workers(3).run(grid_of_three):
         assert "world size 3 does not split into 2 pipeline stages" in message
+
+
+def save_then_go_on(stages: int, micro: int, directory: str, phase: str) -> dict:
+    """phase "save": 2 steps, save; "load": load, 1 step; "whole": 3 steps."""
+    engine = zf.initialize(pipe(stages), config(micro))
+    replica = engine.grid.replica
+    start = 0
+    if phase == "load":
+        engine.load_checkpoint(directory)
+        start = engine.global_steps
+    steps = {"save": 2, "load": 1, "whole": 3}[phase]
+    for i in range(start, start + steps):
+        engine.train_batch(iter([micro_batch(i, m, replica) for m in range(micro)]))
+    if phase == "save":
+        engine.save_checkpoint(directory)
+    return {"stage": engine.grid.stage, "params": engine.params(), "steps": engine.global_steps}
+
+
+def test_pipeline_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
+    """Saved at P = 2 x DP = 2 (W = 4) after 2 steps, one more step at P = 2 x DP = 1 (W = 2): equal to
+    the unpipelined model trained on the same micro-batches (both replicas' for 2 steps, then one's)."""
+    directory = str(tmp_path / "ckpt")
+    workers(4).run(save_then_go_on, 2, 2, directory, "save")
+    resumed = workers(2).run(save_then_go_on, 2, 2, directory, "load")
+    model = pipe(2).build_all()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for i, replicas in ((0, 2), (1, 2), (2, 1)):
+        opt.zero_grad()
+        loss = sum(lm_loss(model(x), y) for m in range(2) for x, y in [micro_batch(i, m, d) for d in range(replicas)])
+        (loss / (2 * replicas)).backward()
+        opt.step()
+    p = pipe(2)
+    for r in resumed:
+        assert r["steps"] == 3
+        expected = _stage_params(model, p, r["stage"])
+        assert_close_to(dict(sorted(r["params"].items())), {k: v.detach() for k, v in sorted(expected.items())})
+
+
+def load_other_shape(directory: str) -> str:
+    engine = zf.initialize(pipe(3), config(2))
+    try:
+        engine.load_checkpoint(directory)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_pipeline_checkpoint_at_another_pipeline_shape_is_refused_clearly(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    workers(2).run(save_then_go_on, 2, 2, directory, "save")
+    for message in workers(3).run(load_other_shape, directory):
+        assert "saved with" in message and "not supported yet" in message

@@ -39,6 +39,7 @@ import optree
 import torch
 
 from . import dist, swap
+from .ops import aio
 from .pytree import NAMESPACE, tree_unflatten
 from .tree import ModelSpec, Params
 
@@ -109,30 +110,36 @@ def _first_difference(saved: dict, ours: dict) -> str | None:
 
 
 class _Writer:
-    """Appends tensors' raw bytes to one file and indexes them."""
+    """Appends tensors' raw bytes to one file through zfunc's asynchronous file I/O (direct
+    writes where the file system allows, several in flight) and indexes them."""
 
     def __init__(self, path: str):
         self.path = path
-        self.file = open(path, "wb")
+        open(path, "wb").close()
+        self.io = aio.AsyncIO(block_size=1 << 22, queue_depth=8, check_space=False)  # checked once, up front
         self.index: list[dict] = []
         self.offset = 0
 
     def add(self, key: str, t: torch.Tensor) -> None:
         t = t.detach().to("cpu").contiguous()
         data = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        _write_chunk(self.file, memoryview(data.numpy()))
+        if data.numel():
+            _write_chunk(self.io, data, self.path, self.offset)
         self.index.append({"key": key, "dtype": str(t.dtype), "shape": list(t.shape), "offset": self.offset})
         self.offset += data.numel()
 
     def close(self, extra: dict) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        self.io.close()  # every write done (or its error raised)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         _write_json(self.path[: -len(".bin")] + ".json", {"tensors": self.index, **extra})
 
 
-def _write_chunk(file, data) -> None:
-    file.write(data)
+def _write_chunk(io, data: torch.Tensor, path: str, offset: int) -> None:
+    io.pwrite(data, path, offset)
 
 
 def _write_json(path: str, obj) -> None:

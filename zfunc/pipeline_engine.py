@@ -347,7 +347,8 @@ class PipelineEngine:
         from . import checkpoint
 
         folder = os.path.join(load_dir, f"stage{self.grid.stage}")
-        saved = checkpoint.Saved(checkpoint.resolve(folder, tag)).manifest.get("pipeline", {})
+        # every rank checks the shape on stage 0's manifest (a stage beyond the saved ones has no folder)
+        saved = checkpoint.Saved(checkpoint.resolve(os.path.join(load_dir, "stage0"), tag)).manifest.get("pipeline", {})
         if saved.get("stages") != self.grid.stages or saved.get("parts") != self.pipe.parts:
             raise ValueError(f"this checkpoint was saved with {saved.get('stages')} stages (layer cuts "
                              f"{saved.get('parts')}); loading it at another pipeline shape ({self.grid.stages} "
