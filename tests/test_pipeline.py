@@ -274,3 +274,18 @@ def test_pipeline_checkpoint_at_another_pipeline_shape_is_refused_clearly(tmp_pa
     workers(2).run(save_then_go_on, 2, 2, directory, "save")
     for message in workers(3).run(load_other_shape, directory):
         assert "saved with" in message and "not supported yet" in message
+
+
+def test_the_gpt_example_trains_as_a_pipeline_under_torchrun():
+    """examples/train_gpt.py --pipeline 2 under torchrun --nproc_per_node 2 (the head tied to the embedding)."""
+    import os
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_gpt.py")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", example,
+           "--pipeline", "2", "--steps", "3", "--mb", "0.2", "--layers", "2", "--width", "32", "--seq", "32",
+           "--batch", "4", "--accumulate", "2"]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 pipeline stages x 1 data-parallel replica(s)" in proc.stdout
