@@ -330,15 +330,34 @@ class Saved:
         return self.ranks[rank if rank < self.world else 0][2]["rng"]
 
 
-def load(state, directory: str, tag: str | None = None, *, group=None):
+def load(state, directory: str, tag: str | None = None, *, group=None, sources=None):
     """Copy checkpoint ``directory/tag`` into ``state`` (built by the step that will use it, at any
-    world size); returns ``(state, manifest)``. Every rank calls it."""
-    saved = Saved(resolve(directory, tag))
-    manifest = saved.manifest
+    world size); returns ``(state, manifest)``. Every rank calls it.
+
+    ``sources``: ``(primary, locate)`` for a state whose units were saved in several
+    checkpoints (pipeline stages cut elsewhere): ``locate(unit) -> (Saved, its unit there)``;
+    ``primary`` (a ``Saved``) gives everything that is not per unit (step counters, buffers)."""
     spec = state.params.spec.model
-    difference = _first_difference(manifest["model"], model_layout(spec))
-    if difference is not None:
-        raise ValueError(f"checkpoint {saved.folder!r} was saved from another model: {difference}")
+    if sources is None:
+        saved = Saved(resolve(directory, tag))
+        difference = _first_difference(saved.manifest["model"], model_layout(spec))
+        if difference is not None:
+            raise ValueError(f"checkpoint {saved.folder!r} was saved from another model: {difference}")
+
+        def locate(i):
+            return saved, i
+    else:
+        saved, locate = sources
+        ours = model_layout(spec)["units"]
+        for i, unit in enumerate(ours):
+            src, j = locate(i)
+            theirs = src.manifest["model"]["units"][j]
+            for kind in ("trainable", "frozen"):
+                a, b = [s for _, s in theirs[kind]["entries"]], [s for _, s in unit[kind]["entries"]]
+                if a != b:
+                    raise ValueError(f"unit {unit['name']!r} holds shapes {b} here but {a} in {src.folder!r}: "
+                                     "the checkpoint was saved from another model")
+    manifest = saved.manifest
     paths, nodes, treedef = _parts(state)
     if list(manifest["layouts"]) != paths:
         raise ValueError(
@@ -354,16 +373,17 @@ def load(state, directory: str, tag: str | None = None, *, group=None):
             group_of_node = node.spec.process_group
             r = dist.rank(group_of_node)
             for i, (leaf, sharded) in enumerate(zip(node.leaves, node.spec.sharded)):
-                if leaf is None:
+                if leaf is None or (leaf.dim() and not leaf.numel()):
                     continue
                 # this rank's part of the unit laid out for this world size: its shard, or all of it
                 start = r * leaf.numel() if not _is_whole(leaf, sharded) else 0
+                src, j = locate(i)
                 if swap.on_disk(leaf):
-                    value = saved.read_into(path, i, torch.empty(leaf.shape, dtype=leaf.dtype), start)
+                    value = src.read_into(path, j, torch.empty(leaf.shape, dtype=leaf.dtype), start)
                     store_of_leaf, _, _ = swap.locate(leaf)
                     store_of_leaf.write_now(value, leaf)
                 else:
-                    saved.read_into(path, i, leaf, start)
+                    src.read_into(path, j, leaf, start)
             out.append(node)
         elif isinstance(node, torch.Tensor):
             node.copy_(saved.tensor(0, path))

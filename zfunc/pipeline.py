@@ -176,6 +176,22 @@ class PipelineModule:
                     out[item.key].append(s)
         return out
 
+    def unit_names(self, stage: int, parts: list[int] | None = None) -> dict:
+        """What each parameter-holding unit of stage ``stage`` (under cuts ``parts``, default these)
+        is, by its name in the StageModule: ``("layer", i)`` for global layer ``i``, ``("tied", key)``."""
+        parts = self.parts if parts is None else parts
+        out, modules, tied = {}, 0, []
+        for i in range(parts[stage], parts[stage + 1]):
+            item = self.layers[i]
+            if isinstance(item, TiedLayerSpec):
+                if item.key not in tied:
+                    out[f"tied.{len(tied)}"] = ("tied", item.key)
+                    tied.append(item.key)
+            elif isinstance(item, (LayerSpec, nn.Module)):
+                out[f"layers.{modules}"] = ("layer", i)
+                modules += 1
+        return out
+
     def build(self, stage: int) -> "StageModule":
         """Stage ``stage``'s layers, constructed now (and only them)."""
         if not 0 <= stage < self.num_stages:

@@ -326,15 +326,16 @@ class PipelineEngine:
         return [float(self.schedule(int(self.state.count)))]
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state=None) -> str:
-        """Each stage's state under ``save_dir/stage{s}`` (loadable at another data-parallel size
-        with the same stages; another pipeline shape is not supported yet)."""
+        """Each stage's state under ``save_dir/stage{s}``; loadable at another data-parallel size
+        and at another pipeline shape (``load_checkpoint``)."""
         import os
 
         from . import checkpoint
 
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         extra = {"engine": {"global_steps": self.global_steps, "global_samples": self.global_samples},
-                 "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts}, "config": self.config.raw,
+                 "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts, "layers": len(self.pipe.layers)},
+                 "config": self.config.raw,
                  "client_state": client_state or {}}
         folder = checkpoint.save(self.state, os.path.join(save_dir, f"stage{self.grid.stage}"), tag, extra=extra,
                                  group=self.grid.data_group)
@@ -347,17 +348,47 @@ class PipelineEngine:
         from . import checkpoint
 
         folder = os.path.join(load_dir, f"stage{self.grid.stage}")
-        # every rank checks the shape on stage 0's manifest (a stage beyond the saved ones has no folder)
-        saved = checkpoint.Saved(checkpoint.resolve(os.path.join(load_dir, "stage0"), tag)).manifest.get("pipeline", {})
-        if saved.get("stages") != self.grid.stages or saved.get("parts") != self.pipe.parts:
-            raise ValueError(f"this checkpoint was saved with {saved.get('stages')} stages (layer cuts "
-                             f"{saved.get('parts')}); loading it at another pipeline shape ({self.grid.stages} "
-                             f"stages, cuts {self.pipe.parts}) is not supported yet")
-        self.state, manifest = checkpoint.load(self.state, folder, tag, group=self.grid.data_group)
+        first = checkpoint.Saved(checkpoint.resolve(os.path.join(load_dir, "stage0"), tag))
+        saved = first.manifest.get("pipeline", {})
+        if saved.get("layers", len(self.pipe.layers)) != len(self.pipe.layers):
+            raise ValueError(f"this checkpoint was saved from a pipeline of {saved.get('layers')} layers; this one has "
+                             f"{len(self.pipe.layers)}")
+        if saved.get("stages") == self.grid.stages and saved.get("parts") == self.pipe.parts:
+            self.state, manifest = checkpoint.load(self.state, folder, tag, group=self.grid.data_group)
+        else:  # another pipeline shape: each unit (a layer, or a tied module) from the stage that saved it
+            self.state, manifest = checkpoint.load(self.state, folder, tag, group=self.grid.data_group,
+                                                   sources=self._reshaped(load_dir, tag, saved, first))
         counters = manifest.get("engine", {})
         self.global_steps = counters.get("global_steps", int(self.state.count))
         self.global_samples = counters.get("global_samples", 0)
         return folder, manifest.get("client_state", {})
+
+    def _reshaped(self, load_dir: str, tag, saved: dict, first):
+        """``checkpoint.load``'s sources for a checkpoint cut into other stages."""
+        import os
+
+        from . import checkpoint
+
+        if self.state.buffers:
+            raise ValueError("loading a pipeline checkpoint at another pipeline shape with module buffers is not "
+                             "supported yet")
+        stages = [first] + [checkpoint.Saved(checkpoint.resolve(os.path.join(load_dir, f"stage{s}"), tag))
+                            for s in range(1, saved["stages"])]
+        where = {}
+        for s, src in enumerate(stages):
+            names = [u["name"] for u in src.manifest["model"]["units"]]
+            for name, what in self.pipe.unit_names(s, saved["parts"]).items():
+                if name in names:  # a layer without parameters has no unit
+                    where.setdefault(what, (src, names.index(name)))
+        ours = self.pipe.unit_names(self.grid.stage)
+        names = [u.name for u in self.state.params.spec.model.units]
+
+        def locate(i):
+            if names[i] not in ours:  # the root unit, which holds nothing here
+                return first, [u["name"] for u in first.manifest["model"]["units"]].index(names[i])
+            return where[ours[names[i]]]
+
+        return first, locate
 
     def close(self) -> None:
         self.state.close()
