@@ -5,9 +5,10 @@
 
 The anchor GPT (4 blocks, d_model 512, vocab 8192, seq 256) as pipeline layers
 (embedding and LM head tied across the first and last stage), micro-batches of
-one sequence, gloo on CPU, one thread per stage. Bubble fraction per stage: 1 -
-(time in its forwards and backwards) / step time, the mean over stages; the ideal
-for 1F1B and GPipe is (p - 1) / (m + p - 1). DeepSpeed's PipelineModule trains
+one sequence, gloo on CPU, one thread per stage. Bubble fraction: 1 - (time in
+forwards and backwards) / (time running the schedule), both summed over stages; the ideal
+for 1F1B and GPipe is (p - 1) / (m + p - 1). The schedule's time is the instruction list's
+(forwards, backwards, sends and receives), without the update that follows it. DeepSpeed's PipelineModule trains
 the same layers (its TiedLayerSpec, its own 1F1B TrainSchedule) with the same
 batches; its step time is measured the same way (median over the timed steps).
 """
@@ -93,7 +94,7 @@ def run_zfunc(args, cfg):
         t0 = time.perf_counter()
         engine.train_batch(iter(batches(args, i)))
         dt = time.perf_counter() - t0
-        busy = torch.tensor([engine.last_metrics["busy_s"], dt], dtype=torch.float64)
+        busy = torch.tensor([engine.last_metrics["busy_s"], engine.last_metrics["schedule_s"]], dtype=torch.float64)
         dist.all_reduce(busy)  # mean over stages of busy time, of step time
         if i >= args.warmup:
             times.append(dt)

@@ -130,6 +130,13 @@ def _optimizer(cfg, optimizer, lr_scheduler):
     return optimizer, schedule
 
 
+def current_lr(cfg, schedule, state) -> list[float]:
+    """The learning rate of the next update (DeepSpeed's ``get_lr``: one per param group)."""
+    if schedule is None:
+        return [cfg.optimizer.lr] if cfg.optimizer is not None else []
+    return [float(schedule(int(state.count)))]
+
+
 def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> Step:
     """``base`` wrapped as the config says, in the order zfunc's rules ask (README, docs/architecture.md).
 
@@ -309,10 +316,7 @@ class Engine:
         return gather_params(self.state)
 
     def get_lr(self) -> list[float]:
-        if self.schedule is None:
-            o = self.config.optimizer
-            return [o.lr] if o is not None else []
-        return [float(self.schedule(int(self.state.count)))]
+        return current_lr(self.config, self.schedule, self.state)
 
     @property
     def loss_scale(self) -> float | None:

@@ -273,6 +273,7 @@ class PipelineEngine:
         start = time.perf_counter()
         state = self.state
         losses, grads = self._run(program, micro, train=True)
+        schedule_s = time.perf_counter() - start
         self._reduce_tied(grads)
         loss, sq_norm, nonfinite = self._agree(losses, grads)
         metrics = {"loss": torch.tensor(loss, dtype=torch.float32), "grad_norm": sq_norm ** 0.5 / len(micro),
@@ -290,7 +291,8 @@ class PipelineEngine:
         self.global_steps += 1
         self.global_samples += self.config.micro_batch_size * len(micro) * self.grid.replicas
         metrics["step_s"] = time.perf_counter() - start
-        metrics["busy_s"] = self.busy_s
+        metrics["busy_s"] = self.busy_s  # in Forward and Backward
+        metrics["schedule_s"] = schedule_s  # the instruction list; the rest of step_s is the update
         self.last_metrics = metrics
         self._report(metrics)
         return metrics["loss"]
@@ -320,10 +322,9 @@ class PipelineEngine:
         return gather_params(self.state)
 
     def get_lr(self) -> list[float]:
-        if self.schedule is None:
-            o = self.config.optimizer
-            return [o.lr] if o is not None else []
-        return [float(self.schedule(int(self.state.count)))]
+        from .engine import current_lr
+
+        return current_lr(self.config, self.schedule, self.state)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state=None) -> str:
         """Each stage's state under ``save_dir/stage{s}``; loadable at another data-parallel size
