@@ -163,11 +163,28 @@ def test_two_stages_by_two_replicas_with_zero_inside_each_stage(stage):
     _check(results, 2, 3, 3, 2)
 
 
-def test_bf16_per_stage_trains_close_to_fp32():
-    results = workers(2).run(run_pipeline, 2, 2, 3, "1f1b", 1, {"bf16": {"enabled": True}})
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_per_stage_trains_close_to_fp32(precision):
+    """bf16, and fp16 with DeepSpeed's dynamic loss scaling agreed on by every stage."""
+    results = workers(2).run(run_pipeline, 2, 2, 3, "1f1b", 1, {precision: {"enabled": True}})
     ref = reference(2, 2, 3, 1)
     for r in results:
         assert r["losses"] == pytest.approx(ref["losses"], rel=2e-2)
+
+
+def fp16_overflow() -> dict:
+    """fp16 with a loss scale so large that the first step overflows: skipped on every stage."""
+    engine = zf.initialize(pipe(2), config(2, fp16={"enabled": True, "initial_scale_power": 120, "hysteresis": 1}))
+    before = engine.params()
+    engine.train_batch(iter([micro_batch(0, m, 0) for m in range(2)]))
+    return {"skipped": engine.last_metrics["skipped"], "scale": engine.last_metrics["loss_scale"],
+            "next": float(engine.state.loss_scale.scale), "same": all(torch.equal(before[k], v)
+                                                                      for k, v in engine.params().items())}
+
+
+def test_fp16_overflow_on_any_stage_skips_the_step_on_every_stage():
+    for r in workers(2).run(fp16_overflow):
+        assert r["skipped"] and r["same"] and r["next"] < r["scale"]
 
 
 def build_one_stage(stages: int, method: str) -> dict:

@@ -119,8 +119,6 @@ class PipelineEngine:
             section = getattr(z, name)
             if section is not None and section.device != "none":
                 raise ValueError(f"zero_optimization.{name} with pipeline parallelism is not supported yet")
-        if cfg.compute_dtype == torch.float16:
-            raise ValueError("fp16 with pipeline parallelism is not supported yet: use bf16")
 
     # ------------------------------------------------------------------ set-up
 
@@ -167,8 +165,9 @@ class PipelineEngine:
 
     # ------------------------------------------------------------- interpreter
 
-    def _run(self, program, micro: list, train: bool):
-        """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None)."""
+    def _run(self, program, micro: list, train: bool, scale: float | None = None):
+        """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None).
+        ``scale``: fp16's loss scale, applied to the last stage's losses before backward."""
         state, module = self.state, self.module
         buffers = self.step_fn._buffers(state)
         inputs, outputs, out_grads, labels, losses = {}, {}, {}, {}, {}
@@ -208,7 +207,7 @@ class PipelineEngine:
                     t0 = time.perf_counter()
                     with lazy.resolving(tracker):
                         if module.last:
-                            torch.autograd.backward(losses[m])
+                            torch.autograd.backward(losses[m] if scale is None else losses[m] * scale)
                         else:
                             pairs = [(o, g) for o, g in zip(outputs.pop(m), out_grads.pop(m)) if o.requires_grad]
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -272,22 +271,33 @@ class PipelineEngine:
         program = S.schedule(self.schedule_name, len(micro), self.grid.stages, self.grid.stage)
         start = time.perf_counter()
         state = self.state
-        losses, grads = self._run(program, micro, train=True)
+        scaler = self.step_fn.loss_scaler  # fp16: every stage scales by the same loss scale
+        scale = None if scaler is None else float(state.loss_scale.scale)
+        losses, grads = self._run(program, micro, train=True, scale=scale)
         schedule_s = time.perf_counter() - start
         self._reduce_tied(grads)
         loss, sq_norm, nonfinite = self._agree(losses, grads)
-        metrics = {"loss": torch.tensor(loss, dtype=torch.float32), "grad_norm": sq_norm ** 0.5 / len(micro),
+        grad_scale = 1.0 / len(micro) / (1.0 if scale is None else scale)  # the true gradients: grads x this
+        metrics = {"loss": torch.tensor(loss, dtype=torch.float32), "grad_norm": sq_norm ** 0.5 * grad_scale,
                    "skipped": nonfinite}
-        if nonfinite and self.step_fn.nonfinite == "raise":
+        loss_scale = state.loss_scale
+        if scaler is not None:  # every rank agreed on the overflow, so every rank updates the scale alike
+            metrics["loss_scale"] = scale
+            loss_scale = scaler.update(state.loss_scale, overflow=nonfinite)
+            metrics["skipped_steps"] = int(loss_scale.skipped)
+        elif nonfinite and self.step_fn.nonfinite == "raise":
             raise FloatingPointError(f"step {int(state.count)}: non-finite gradient (inf or NaN) on stage "
                                      f"{self.grid.stage} or another; the state was not updated")
-        if not nonfinite:
-            info = GradInfo(scale=1.0 / len(micro), sq_norm=sq_norm)
+        if nonfinite:  # skipped on every stage: the state as it was, one step counted
+            self.state = State(state.params, state.opt_state, state.frozen, state.buffers, state.count + 1,
+                               state.plan, loss_scale)
+        else:
+            info = GradInfo(scale=grad_scale, sq_norm=sq_norm)
             params, opt_state = apply_update(self.step_fn._update_part(), grads, state.opt_state, state.params,
                                              info=info)
             object.__setattr__(state, "_donated", True)
             self.state = State(params, opt_state, state.frozen, state.buffers, state.count + 1, state.plan,
-                               state.loss_scale)
+                               loss_scale)
         self.global_steps += 1
         self.global_samples += self.config.micro_batch_size * len(micro) * self.grid.replicas
         metrics["step_s"] = time.perf_counter() - start
