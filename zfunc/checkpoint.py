@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import shutil
@@ -67,7 +68,7 @@ def _is_whole(t: torch.Tensor, sharded: bool) -> bool:
 
 def _settle(state) -> None:
     """Wait for writes behind the last step (offload_nvme), so the files hold the latest values."""
-    store = swap._open.get(state.params.spec.swap) if state.params.spec.swap else None
+    store = swap.open_store(state)
     if store is not None:
         store.settle()
 
@@ -142,14 +143,18 @@ def _write_chunk(io, data: torch.Tensor, path: str, offset: int) -> None:
     io.pwrite(data, path, offset)
 
 
-def _write_json(path: str, obj) -> None:
+def _write_text(path: str, text: str) -> None:
     """Write ``path`` atomically: a temporary file, fsync, rename."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _write_json(path: str, obj) -> None:
+    _write_text(path, json.dumps(obj))
 
 
 def _bytes_to_write(paths, nodes, rank: int) -> int:
@@ -235,15 +240,6 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
     return folder
 
 
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------ loading
 
 
@@ -286,13 +282,11 @@ class Saved:
         mm, index, _ = self.ranks[rank]
         e = index[key]
         dtype = _DTYPES[e["dtype"]]
-        n = 1
-        for s in e["shape"]:
-            n *= s
+        n = math.prod(e["shape"])
         if not n:
             return torch.empty(e["shape"], dtype=dtype)
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=e["offset"]).view(dtype).reshape(e["shape"])
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=n * dtype.itemsize, offset=e["offset"])
+        return raw.view(dtype).reshape(e["shape"])
 
     def tensor(self, rank: int, key: str) -> torch.Tensor:
         return self.view(rank, key).clone()
@@ -364,7 +358,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
             f"checkpoint {saved.folder!r} holds the state of {manifest.get('composition')}, but this step's state is "
             f"{None if state.plan is None else state.plan.composition}; their parts differ. Load it into a state "
             "built by the same composition of transforms (any world size)")
-    store = swap._open.get(state.params.spec.swap) if state.params.spec.swap else None
+    store = swap.open_store(state)
     if store is not None:
         store.drop_resident()  # the files are about to change under it
     out = []
@@ -386,7 +380,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
                     src.read_into(path, j, leaf, start)
             out.append(node)
         elif isinstance(node, torch.Tensor):
-            node.copy_(saved.tensor(0, path))
+            node.copy_(saved.view(0, path))
             out.append(node)
         else:
             out.append(manifest["layouts"][path]["value"])
@@ -422,9 +416,7 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
             flat = saved.unit(path, i).float()
             offset = 0
             for name, shape in entries:
-                n = 1
-                for s in shape:
-                    n *= s
+                n = math.prod(shape)
                 out[name] = flat[offset: offset + n].reshape(shape).clone()
                 offset += n
     for alias, canonical in manifest["model"]["aliases"]:

@@ -121,10 +121,9 @@ class Traces:
         return self.by_fingerprint[self.successor.get(self.latest, self.latest)]
 
     def known(self, prefix: list) -> tuple | None:
-        """A known trace that starts with ``prefix`` (the latest first)."""
-        candidates = list(self.by_fingerprint.values())
+        """A known trace that starts with ``prefix``."""
         n = len(prefix)
-        return next((t for t in candidates if len(t) >= n and list(t[:n]) == prefix), None)
+        return next((t for t in self.by_fingerprint.values() if len(t) >= n and list(t[:n]) == prefix), None)
 
     def record(self, events: list) -> None:
         trace = tuple(events)
@@ -206,26 +205,6 @@ class Coordinator:
             + ("; the process group cannot be used after a timed-out collective: restart the job" if cause else "")
         ) from cause
 
-    def known(self, prefix: list) -> tuple | None:
-        """A known trace that starts with ``prefix`` (the latest first)."""
-        candidates = ([self.latest] if self.latest else []) + list(self.traces.values())
-        n = len(prefix)
-        return next((t for t in candidates if len(t) >= n and list(t[:n]) == prefix), None)
-
-    def record(self, events: list) -> None:
-        trace = tuple(events)
-        key = fingerprint(trace)
-        if key not in self.traces:
-            if self.traces:
-                warnings.warn(
-                    f"units were materialized in an order not seen before ({len(trace)} materializations; "
-                    f"{len(self.traces)} order(s) known): this step ran on demand from the first difference "
-                    "and its order is recorded, so it is prefetched the next time it recurs. Expected once per "
-                    "distinct order (data-dependent control flow); on every step it means the order never repeats",
-                    OrderChangedWarning, stacklevel=4)
-            self.traces[key] = trace
-        self.latest = trace
-
 
 def fingerprint(trace) -> str:
     return hashlib.blake2b(repr(trace).encode(), digest_size=8).hexdigest()
@@ -246,6 +225,7 @@ class Run:
         self.hits = self.misses = 0
         self.prefetched_bytes = 0
         self.wait_s = 0.0
+        self.bucket = 0  # elements to prefetch ahead; set by start()
 
     # -------------------------------------------------------------- units tell us
 
@@ -268,7 +248,10 @@ class Run:
         return False
 
     def start(self) -> None:
-        """Before the first materialization: prefetch the start of the trace."""
+        """Once every unit is registered, before the first materialization: the bucket (default
+        twice the largest unit), then prefetch the start of the trace."""
+        bucket = self.settings.bucket_size
+        self.bucket = 2 * max((u.full_numel for u in self.units.values()), default=0) if bucket is None else bucket
         self._prefetch(0)
 
     def using(self, unit) -> None:
@@ -309,9 +292,7 @@ class Run:
         against the bucket, one still gathered is skipped (its later use is
         prefetched once it is released).
         """
-        bucket = self.settings.bucket_size
-        if bucket is None:
-            bucket = 2 * max((u.full_numel for u in self.units.values()), default=0)
+        bucket = self.bucket
         if self.trace is None or bucket <= 0:
             return
         ahead, seen = 0, set()

@@ -101,6 +101,9 @@ class PipelineEngine:
         self.step_fn = compose(cfg, train_step(no_loss, opt), group=grid.data_group, accumulate_micro=False)
         self.state = self.step_fn.init(self.module)
         self.tied_units = self._tied_units()
+        owners = pipe.tied_stages()
+        # tied units whose gradient norm another stage counts (the first that holds the key)
+        self.counted_elsewhere = {u for key, u in self.tied_units.items() if owners[key][0] != grid.stage}
         self.global_steps = 0
         self.global_samples = 0
         self.last_metrics: dict = {}
@@ -239,14 +242,13 @@ class PipelineEngine:
         shard once, each whole gradient once per stage, a tied module on its first stage only),
         and whether any gradient is non-finite."""
         grid = self.grid
-        skip = {u for key, u in self.tied_units.items() if self.pipe.tied_stages()[key][0] != grid.stage}
         sq_shard = sq_whole = bad = 0.0
         for i, (g, shard) in enumerate(zip(grads.leaves, grads.spec.sharded)):
             if g is None or g.numel() == 0:
                 continue
             sq, finite = cpu_adam.nonfinite_and_sq_norm([g])
             bad += float(not finite)
-            if i in skip:
+            if i in self.counted_elsewhere:
                 continue
             if shard:
                 sq_shard += sq

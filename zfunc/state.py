@@ -37,7 +37,7 @@ class State:
 
         The state, and every state a step returned from it, is unusable afterwards.
         """
-        store = swap._open.get(self.params.spec.swap) if self.params.spec.swap else None
+        store = swap.open_store(self)
         if store is not None:
             store.close()
 
@@ -84,7 +84,7 @@ def memory_report(state: State) -> dict:
             else:
                 home = "host" if accelerated and t.device.type == "cpu" else "device"
             by_home[home] += t.numel() * t.element_size()
-    store = swap._open.get(state.params.spec.swap) if state.params.spec.swap else None
+    store = swap.open_store(state)
     return {
         "param_bytes": state.params.nbytes(),
         "optimizer_bytes": _nbytes(state.opt_state),

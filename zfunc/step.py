@@ -25,6 +25,7 @@ overflow on any rank is skipped on every rank and lowers the scale
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -112,6 +113,18 @@ class Step:
                             coordination.Prefetch())
             self.__dict__["_coordinator"] = coordination.Coordinator(settings)
         return self.__dict__["_coordinator"]
+
+    @contextlib.contextmanager
+    def _coordinated(self):
+        """A step's materializations follow its coordinator, and its collectives time out; a timeout
+        becomes the error that says where the ranks' orders differ."""
+        coordinator = self.coordinator()
+        coordinator.begin_step()
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
+            try:
+                yield coordinator
+            except dist.CollectiveTimeout as e:
+                coordinator.diverged(self.group, cause=e)
 
     @property
     def group(self):
@@ -236,14 +249,9 @@ class Step:
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
         io_before = swap.io_counts(state)
-        coordinator = self.coordinator()
-        coordinator.begin_step()
-        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
-            try:
-                out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
-                agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
-            except dist.CollectiveTimeout as e:
-                coordinator.diverged(self.group, cause=e)
+        with self._coordinated() as coordinator:
+            out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
+            agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
         if not agreed.same_order:
             coordinator.diverged(self.group)
         loss, aux, grads, grad_scale = out.loss, out.aux, out.grads, out.grad_scale
@@ -367,23 +375,18 @@ class EvalStep(Step):
         micro = accumulate.micro_batches(batch) if accumulate is not None else [batch]
         losses, auxes = [], []
         passes = ()
-        coordinator = self.coordinator()
-        coordinator.begin_step()
-        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
-            try:
-                for mb in micro:
-                    with materialized(state.params, state.frozen, self._buffers(state),
-                                      differentiable=False) as (view, tracker, _):
-                        out = forward(self.loss_fn, view, tracker, mb)
-                    passes += tracker.prefetch
-                    losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
-                    auxes.append(out[1] if self.has_aux else None)
-                h = float(coordinator.order_hash())
-                vec = torch.tensor([torch.stack(losses).mean().item(), h, h * h], dtype=torch.float64,
-                                   device=dist.device_of(self.group))
-                dist.all_reduce_sum(vec, self.group)
-            except dist.CollectiveTimeout as e:
-                coordinator.diverged(self.group, cause=e)
+        with self._coordinated() as coordinator:
+            for mb in micro:
+                with materialized(state.params, state.frozen, self._buffers(state),
+                                  differentiable=False) as (view, tracker, _):
+                    out = forward(self.loss_fn, view, tracker, mb)
+                passes += tracker.prefetch
+                losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
+                auxes.append(out[1] if self.has_aux else None)
+            h = float(coordinator.order_hash())
+            vec = torch.tensor([torch.stack(losses).mean().item(), h, h * h], dtype=torch.float64,
+                               device=dist.device_of(self.group))
+            dist.all_reduce_sum(vec, self.group)
         w = dist.world_size(self.group)
         if not _same_order(vec[1].item(), vec[2].item(), w):
             coordinator.diverged(self.group)

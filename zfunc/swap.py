@@ -115,6 +115,12 @@ def store_of(key: str | None) -> "SwapStore | None":
     return store
 
 
+def open_store(state) -> "SwapStore | None":
+    """The swap store of ``state`` (``offload_nvme``) if it is still open; else None."""
+    key = state.params.spec.swap
+    return _open.get(key) if key is not None else None
+
+
 def load(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a new CPU tensor: read from its swap file if it is on disk."""
     if not on_disk(t):
@@ -140,8 +146,7 @@ def check_state(state) -> None:
 
 def io_counts(state) -> dict | None:
     """Bytes the state's store has read and written so far, and its pool's use; None without one."""
-    key = state.params.spec.swap
-    store = _open.get(key) if key is not None else None
+    store = open_store(state)
     if store is None:
         return None
     return {"bytes_read": store.bytes_read, "bytes_written": store.bytes_written,
