@@ -3,14 +3,20 @@
     python benchmarks/pipeline.py                # P = 2 and 3, m = 1..8 micro-batches
     python benchmarks/pipeline.py --small        # smoke test
 
-The anchor GPT (4 blocks, d_model 512, vocab 8192, seq 256) as pipeline layers
-(embedding and LM head tied across the first and last stage), micro-batches of
-one sequence, gloo on CPU, one thread per stage. Bubble fraction: 1 - (time in
-forwards and backwards) / (time running the schedule), both summed over stages; the ideal
-for 1F1B and GPipe is (p - 1) / (m + p - 1). The schedule's time is the instruction list's
-(forwards, backwards, sends and receives), without the update that follows it. DeepSpeed's PipelineModule trains
-the same layers (its TiedLayerSpec, its own 1F1B TrainSchedule) with the same
-batches; its step time is measured the same way (median over the timed steps).
+Two GPTs as pipeline layers (embedding and LM head tied across the first and last
+stage), micro-batches of one sequence, gloo on CPU, one thread per stage:
+"anchor", the anchor GPT (4 blocks, d_model 512, vocab 8192, seq 256), whose last
+stage also runs the large head, and "balanced", 2 blocks per stage and a 256-word
+vocabulary, whose stages cost about the same.
+
+Bubble: 1 - (time in forwards and backwards, summed over stages) / (stages x the
+pipeline's span, from the first stage starting its instruction list to the last one
+finishing it; not the update after it). Two ideals: (p - 1) / (m + p - 1), which assumes
+equal stages and free transfers, and the ideal for the partition: the same schedule
+replayed with each stage's measured forward and backward times and free transfers
+(zfunc.schedules.ideal_bubble), which is what unequal stages cannot beat.
+DeepSpeed's PipelineModule trains the same layers (its TiedLayerSpec, its own 1F1B
+TrainSchedule) with the same batches; step time is the median over the timed steps.
 """
 import argparse
 import json
@@ -31,10 +37,12 @@ from _launch import launch  # noqa: E402
 from gpt import Block, Embed, GPTConfig, lm_head  # noqa: E402
 
 import zfunc as zf  # noqa: E402
+from zfunc import schedules  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="anchor,balanced")
     p.add_argument("--stages", default="2,3")
     p.add_argument("--micro", default="1,2,3,4,5,6,7,8")
     p.add_argument("--tools", default="zfunc,ds")
@@ -89,17 +97,22 @@ def run_zfunc(args, cfg):
     engine = zf.initialize(pipe, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m,
                                   "gradient_clipping": 0.0,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}})
-    times, bubbles = [], []
+    times, bubbles, ideals = [], [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         engine.train_batch(iter(batches(args, i)))
         dt = time.perf_counter() - t0
-        busy = torch.tensor([engine.last_metrics["busy_s"], engine.last_metrics["schedule_s"]], dtype=torch.float64)
-        dist.all_reduce(busy)  # mean over stages of busy time, of step time
+        mine = engine.last_metrics
+        row = torch.tensor([mine["forward_s"], mine["backward_s"], *mine["schedule_window"]], dtype=torch.float64)
+        every = [torch.zeros_like(row) for _ in range(args.p)]
+        dist.all_gather(every, row)
+        fwd, bwd, start, end = torch.stack(every).unbind(1)
+        span = (end.max() - start.min()).item()  # perf_counter is one clock for every process here
         if i >= args.warmup:
             times.append(dt)
-            bubbles.append(1 - busy[0].item() / busy[1].item())
-    return times, bubbles
+            bubbles.append(1 - (fwd.sum() + bwd.sum()).item() / (args.p * span))
+            ideals.append(schedules.ideal_bubble("1f1b", args.m, (fwd / args.m).tolist(), (bwd / args.m).tolist()))
+    return times, (bubbles, ideals)
 
 
 def run_deepspeed(args, cfg):
@@ -132,41 +145,59 @@ def worker(args):
                     n_heads=8 if args.width % 8 == 0 else 4)
     times, bubbles = (run_deepspeed if args.worker == "ds" else run_zfunc)(args, cfg)
     if dist.get_rank() == 0:
+        out = {"step_s": statistics.median(times)}
+        if bubbles is not None:
+            out["bubble"], out["partition_ideal"] = map(statistics.median, bubbles)
         with open(args.result, "w") as f:
-            json.dump({"step_s": statistics.median(times), "bubble": None if bubbles is None else statistics.median(bubbles)}, f)
+            json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def model_args(args, model: str, p: int) -> dict:
+    """anchor: the anchor GPT, whose last stage also holds the 8192-word head (unequal stages);
+    balanced: 2 blocks per stage and a 256-word vocabulary, so every stage costs about the same,
+    as the textbook bubble (p-1)/(m+p-1) assumes."""
+    if model == "balanced":
+        return {"layers": 2 * p, "width": args.width, "vocab": 256, "seq": args.seq}
+    return {"layers": args.layers, "width": args.width, "vocab": args.vocab, "seq": args.seq}
 
 
 def main(args):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for p in map(int, args.stages.split(",")):
-            for m in map(int, args.micro.split(",")):
-                row = {"p": p, "m": m}
-                for tool in args.tools.split(","):
-                    result = os.path.join(tmp, f"{tool}.{p}.{m}.json")
-                    argv = [os.path.abspath(__file__), "--worker", tool, "--m", str(m), "--p", str(p), "--result", result] + [
-                        f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "layers", "width", "vocab", "seq")]
-                    rcs = launch(argv, p, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, timeout=900)
-                    if any(rcs) or not os.path.exists(result):
-                        row[tool] = None
-                        continue
-                    with open(result) as f:
-                        row[tool] = json.load(f)
-                print(row, file=sys.stderr)
-                rows.append(row)
-    print(f"\nGPT, {args.layers} blocks, d_model {args.width}, vocab {args.vocab}, seq {args.seq}, micro-batches of "
-          f"1 sequence, gloo CPU, one thread per stage; median over {args.steps} steps after {args.warmup}\n")
-    print("| stages p | micro-batches m | ideal bubble (p-1)/(m+p-1) | zfunc bubble | zfunc step s | DeepSpeed step s "
-          "| zfunc / DeepSpeed |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for model in args.models.split(","):
+            for p in map(int, args.stages.split(",")):
+                for m in map(int, args.micro.split(",")):
+                    row = {"model": model, "p": p, "m": m, **model_args(args, model, p)}
+                    for tool in args.tools.split(","):
+                        result = os.path.join(tmp, f"{tool}.{model}.{p}.{m}.json")
+                        argv = [os.path.abspath(__file__), "--worker", tool, "--m", str(m), "--p", str(p), "--result",
+                                result, f"--steps={args.steps}", f"--warmup={args.warmup}"] + [
+                            f"--{k}={row[k]}" for k in ("layers", "width", "vocab", "seq")]
+                        rcs = launch(argv, p, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, timeout=900)
+                        if any(rcs) or not os.path.exists(result):
+                            row[tool] = None
+                            continue
+                        with open(result) as f:
+                            row[tool] = json.load(f)
+                    print(row, file=sys.stderr)
+                    rows.append(row)
+    print(f"\nGPT, d_model {args.width}, seq {args.seq}, micro-batches of 1 sequence, gloo CPU, one thread per stage; "
+          f"median over {args.steps} steps after {args.warmup}. anchor: {args.layers} blocks, vocab {args.vocab}; "
+          "balanced: 2 blocks per stage, vocab 256\n")
+    print("| model | stages p | micro-batches m | ideal bubble (p-1)/(m+p-1) | ideal for the partition | zfunc bubble "
+          "| zfunc step s | DeepSpeed step s | zfunc / DeepSpeed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         ideal = (r["p"] - 1) / (r["m"] + r["p"] - 1)
         z, d = r.get("zfunc"), r.get("ds")
         ratio = f"{z['step_s'] / d['step_s']:.2f}" if z and d else ""
-        print(f"| {r['p']} | {r['m']} | {ideal:.3f} | {'' if not z else format(z['bubble'], '.3f')} | "
-              f"{'failed' if not z else format(z['step_s'], '.3f')} | {'failed' if not d else format(d['step_s'], '.3f')} | {ratio} |")
+        bubble = "" if not z else f"{z['bubble']:.3f}"
+        partition = "" if not z else f"{z['partition_ideal']:.3f}"
+        print(f"| {r['model']} | {r['p']} | {r['m']} | {ideal:.3f} | {partition} | {bubble} | "
+              f"{'failed' if not z else format(z['step_s'], '.3f')} | {'failed' if not d else format(d['step_s'], '.3f')} "
+              f"| {ratio} |")
 
 
 if __name__ == "__main__":

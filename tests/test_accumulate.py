@@ -16,8 +16,10 @@ MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", ["gpt", "deep_mlp"])
+@pytest.mark.parametrize("name", ["gpt", "deep_mlp", "reusing", "checkpointed", "external"])
 def test_equals_one_step_on_the_concatenation(name, world):
+    """Also for units used several times a micro-batch (blocks applied thrice, a tied head),
+    recomputed in backward (activation checkpointing), or read outside their module."""
     kw = MLP if name == "deep_mlp" else {}
     expected = reference(name, kw, steps=3, batch_size=4 * world)
     for stage in (0, 1, 2, 3):

@@ -100,3 +100,26 @@ def test_bad_schedules_are_named():
         S.schedule("pipedream", 2, 2, 0)
     with pytest.raises(ValueError, match="0 <= stage < stages"):
         S.schedule("1f1b", 2, 2, 2)
+
+
+COSTS = st.floats(0.01, 10.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(**SIZES, forward=COSTS, backward=COSTS)
+def test_the_timeline_of_equal_stages_has_the_textbook_bubble(micro_batches, stages, name, forward, backward):
+    bubble = S.ideal_bubble(name, micro_batches, [forward] * stages, [backward] * stages)
+    assert abs(bubble - (stages - 1) / (micro_batches + stages - 1)) < 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(micro_batches=st.integers(1, 10), name=st.sampled_from(["1f1b", "gpipe"]),
+       costs=st.lists(st.tuples(COSTS, COSTS), min_size=1, max_size=5), link=st.floats(0.0, 1.0))
+def test_the_timeline_of_unequal_stages_is_bounded_by_the_slowest_and_by_one_trip(micro_batches, name, costs, link):
+    """The slowest stage is busy m times; one micro-batch's trip through every stage and back is
+    sequential; transfers only add."""
+    f, b = [c[0] for c in costs], [c[1] for c in costs]
+    span = max(S.timeline(name, micro_batches, f, b, link))
+    assert span >= max(micro_batches * (x + y) for x, y in costs) - 1e-9
+    assert span >= sum(f) + sum(b) + 2 * (len(costs) - 1) * link - 1e-9
+    assert span >= max(S.timeline(name, micro_batches, f, b)) - 1e-9

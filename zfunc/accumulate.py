@@ -47,6 +47,7 @@ class GradSink:
         store = swap.store_of(spec.swap)
         self.store = store if store is not None and store.grads else None
         self.on_file: set[int] = set()  # units whose sum so far is in their gradient file
+        self.reducing: dict[int, object] = {}  # unit -> its whole sum's reduction in flight (last micro-batch)
 
     def _acc(self, unit) -> torch.Tensor:
         acc = self.acc.get(unit.index)
@@ -69,6 +70,33 @@ class GradSink:
             self.acc.pop(unit.index, None)
         return acc
 
+    def takes_parts(self, unit) -> bool:
+        """Whether ``take_parts`` serves ``unit``: a whole gradient summed in RAM."""
+        return self.store is None and not self.spec.sharded[unit.index]
+
+    def take_parts(self, unit, grads) -> None:
+        """Add a unit's per-parameter gradients (``None``: no gradient) straight into its
+        accumulator: the first micro-batch copies, later ones add, as autograd's ``.grad`` does,
+        with no flat buffer between."""
+        acc = self.acc.get(unit.index)
+        fresh = acc is None
+        if fresh:
+            acc = buffers.empty(self.spec.segment(unit.index).padded, torch.float32, unit.device)
+            self.acc[unit.index] = acc
+        else:
+            self._settled(unit)
+        offset = 0
+        for entry, g in zip(unit.segment.entries, grads):
+            dst = acc[offset: offset + entry.numel]
+            if g is not None:
+                (dst.view(entry.shape).copy_ if fresh else dst.view(entry.shape).add_)(g)
+            elif fresh:
+                dst.zero_()
+            offset += entry.numel
+        if fresh:
+            acc[offset:].zero_()
+        self._reduce_if_last(unit, acc)
+
     def take(self, unit, grad_full: torch.Tensor) -> None:
         """Add a unit's full local gradient (which the caller gives up) into its accumulator."""
         acc = self._acc(unit)
@@ -77,13 +105,28 @@ class GradSink:
             pending = placement.send_home_start(unit.place, grad_full, unit.group)
             tracker.reducing(pending.then(lambda g: self._done(unit, acc.add_(g)), acc))
             return
+        self._settled(unit)
         acc.add_(grad_full)
         buffers.give(grad_full)
+        self._reduce_if_last(unit, acc)
+
+    def _settled(self, unit) -> None:
+        """A unit used twice in the last micro-batch: its first reduction is over before more is added."""
+        pending = self.reducing.pop(unit.index, None)
+        if pending is not None:
+            pending.wait()
+
+    def _reduce_if_last(self, unit, acc: torch.Tensor) -> None:
+        """In the last micro-batch, start reducing a whole sum over the group (once per use; a
+        later use waits for it, adds, and reduces its part: the mean is linear)."""
+        tracker = unit.tracker
         if self.last:
             pending = placement.send_home_start(unit.place, acc, unit.group, out_dtype=acc.dtype)
             if pending.out is not acc:  # reduced in another dtype, or W = 1 made a copy
                 pending = pending.then(acc.copy_, acc)
-            tracker.reducing(pending.then(lambda a: self._done(unit, a), acc))
+            pending = pending.then(lambda a: self._done(unit, a), acc)
+            self.reducing[unit.index] = pending
+            tracker.reducing(pending)
         else:
             self._done(unit, acc)
 

@@ -119,6 +119,8 @@ class Materialize(torch.autograd.Function):
     flat buffer (zeros where a parameter got none, and in the padding) that
     the reduction owns and reduces in place; autograd's own backward of
     ``split`` would give a buffer it might share, in the parameters' dtype.
+    A gradient accumulator that sums whole gradients (zfunc.accumulate) takes
+    the views' gradients directly instead.
     """
 
     @staticmethod
@@ -136,6 +138,10 @@ class Materialize(torch.autograd.Function):
     def backward(ctx, *grads):
         unit: _Unit = ctx.unit
         unit.tracker.release_backward(unit)
+        sink = unit.tracker.sink
+        if sink is not None and sink.takes_parts(unit):  # accumulating a whole gradient: no flat copy
+            sink.take_parts(unit, grads)
+            return None, None
         flat = buffers.take(unit.full_numel, unit.grad_dtype(), unit.device)
         offset = 0
         for entry, g in zip(unit.segment.entries, grads):
@@ -301,6 +307,9 @@ class Tracker:
         self.backward_cache.clear()
         self.live.clear()
         self.current = 0
+        # the units point back here: without these references the step's buffers and the
+        # sink's sums go as soon as the caller drops them, not at the next garbage collection
+        self.units, self.by_name, self.sink = [], {}, None
 
 
 class Units:

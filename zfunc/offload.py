@@ -50,6 +50,10 @@ class GradOffHome(abc.ABC):
         self.left: dict[int, int] = {}  # unit -> backward calls still to come
         self.partial: dict[int, torch.Tensor] = {}  # a unit used more than once: its gradient so far
 
+    def takes_parts(self, unit) -> bool:
+        """Never: each unit's gradient goes home as one flat buffer (``take``)."""
+        return False
+
     def take(self, unit, grad_full: torch.Tensor) -> None:
         i = unit.index
         left = self.left.get(i, unit.uses) - 1

@@ -177,7 +177,7 @@ class PipelineEngine:
         n = len(micro)
         grads = None
         grad_ctx = torch.enable_grad() if train else torch.no_grad()
-        self.busy_s = 0.0  # time in Forward and Backward: the rest of a step is the bubble and communication
+        self.forward_s = self.backward_s = 0.0  # the rest of the schedule's time is bubble and transfers
         with grad_ctx, materialized(state.params, state.frozen, buffers, differentiable=train) as (view, tracker, _):
             sink = GradSink(grad_spec(state.params.spec)) if train else None
             tracker.sink = sink
@@ -200,7 +200,7 @@ class PipelineEngine:
                             losses[m] = self._loss(out, labels.pop(m))
                         else:
                             outputs[m] = out if isinstance(out, tuple) else (out,)
-                    self.busy_s += time.perf_counter() - t0
+                    self.forward_s += time.perf_counter() - t0
                 elif isinstance(ins, S.SendActivation):
                     self.fwd.send(outputs[m] if train else outputs.pop(m))
                 elif isinstance(ins, S.RecvGrad):
@@ -214,7 +214,7 @@ class PipelineEngine:
                         else:
                             pairs = [(o, g) for o, g in zip(outputs.pop(m), out_grads.pop(m)) if o.requires_grad]
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    self.busy_s += time.perf_counter() - t0
+                    self.backward_s += time.perf_counter() - t0
                 elif isinstance(ins, S.SendGrad):
                     xs = inputs.pop(m)
                     self.bwd.send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
@@ -276,7 +276,7 @@ class PipelineEngine:
         scaler = self.step_fn.loss_scaler  # fp16: every stage scales by the same loss scale
         scale = None if scaler is None else float(state.loss_scale.scale)
         losses, grads = self._run(program, micro, train=True, scale=scale)
-        schedule_s = time.perf_counter() - start
+        schedule_end = time.perf_counter()
         self._reduce_tied(grads)
         loss, sq_norm, nonfinite = self._agree(losses, grads)
         grad_scale = 1.0 / len(micro) / (1.0 if scale is None else scale)  # the true gradients: grads x this
@@ -303,8 +303,12 @@ class PipelineEngine:
         self.global_steps += 1
         self.global_samples += self.config.micro_batch_size * len(micro) * self.grid.replicas
         metrics["step_s"] = time.perf_counter() - start
-        metrics["busy_s"] = self.busy_s  # in Forward and Backward
-        metrics["schedule_s"] = schedule_s  # the instruction list; the rest of step_s is the update
+        # the instruction list's time, in Forward and Backward, and when it ran (perf_counter, a clock
+        # every process on a machine shares on Linux: the stages' windows give the pipeline's span)
+        metrics["forward_s"], metrics["backward_s"] = self.forward_s, self.backward_s
+        metrics["busy_s"] = self.forward_s + self.backward_s
+        metrics["schedule_s"] = schedule_end - start  # the rest of step_s is the update
+        metrics["schedule_window"] = (start, schedule_end)
         self.last_metrics = metrics
         self._report(metrics)
         return metrics["loss"]

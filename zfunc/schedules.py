@@ -138,3 +138,52 @@ def schedule(name: str, micro_batches: int, stages: int, stage: int) -> list[Ins
     except KeyError:
         raise ValueError(f"unknown pipeline schedule {name!r}: choose from {', '.join(SCHEDULES)}") from None
     return make(micro_batches, stages, stage)
+
+
+def timeline(name: str, micro_batches: int, forward_s, backward_s, link_s: float = 0.0) -> list[float]:
+    """When each stage would finish its list, given what a Forward and a Backward of one
+    micro-batch cost on each stage (``forward_s[s]``, ``backward_s[s]``) and what a transfer
+    between neighbours costs (``link_s``): sends do not block, a receive waits for its send.
+
+    The ideal of a real pipeline: ``1 - Σ busy / (stages x max(timeline))`` is the bubble
+    its partition cannot avoid. With equal stages and free transfers it is (p-1)/(m+p-1)
+    for both schedules.
+    """
+    stages = len(forward_s)
+    if len(backward_s) != stages:
+        raise ValueError(f"forward_s has {stages} stages, backward_s {len(backward_s)}")
+    programs = [schedule(name, micro_batches, stages, s) for s in range(stages)]
+    clock = [0.0] * stages
+    pc = [0] * stages
+    sent: dict[tuple, float] = {}  # (kind, stage, micro-batch) -> when its transfer arrives
+    while any(pc[s] < len(p) for s, p in enumerate(programs)):
+        moved = False
+        for s, program in enumerate(programs):
+            while pc[s] < len(program):
+                i, m = program[pc[s]], program[pc[s]].micro_batch
+                wait = (("act", s - 1, m) if isinstance(i, RecvActivation) else
+                        ("grad", s + 1, m) if isinstance(i, RecvGrad) else None)
+                if wait is not None:
+                    if wait not in sent:
+                        break  # its sender has not got there yet
+                    clock[s] = max(clock[s], sent[wait])
+                elif isinstance(i, Forward):
+                    clock[s] += forward_s[s]
+                elif isinstance(i, Backward):
+                    clock[s] += backward_s[s]
+                elif isinstance(i, SendActivation):
+                    sent[("act", s, m)] = clock[s] + link_s
+                elif isinstance(i, SendGrad):
+                    sent[("grad", s, m)] = clock[s] + link_s
+                pc[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"schedule {name!r} deadlocks at {[p[k] if k < len(p) else None for p, k in zip(programs, pc)]}")
+    return clock
+
+
+def ideal_bubble(name: str, micro_batches: int, forward_s, backward_s, link_s: float = 0.0) -> float:
+    """The share of the stages' time a pipeline with these costs spends idle (``timeline``)."""
+    span = max(timeline(name, micro_batches, forward_s, backward_s, link_s))
+    busy = micro_batches * (sum(forward_s) + sum(backward_s))
+    return 1.0 - busy / (len(forward_s) * span)
