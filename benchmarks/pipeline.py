@@ -6,8 +6,8 @@
 Two GPTs as pipeline layers (embedding and LM head tied across the first and last
 stage), micro-batches of one sequence, gloo on CPU, one thread per stage:
 "anchor", the anchor GPT (4 blocks, d_model 512, vocab 8192, seq 256), whose last
-stage also runs the large head, and "balanced", 2 blocks per stage and a 256-word
-vocabulary, whose stages cost about the same.
+stage also runs the large head, and "balanced", only blocks (2 per stage, hidden
+states in, an MSE loss on hidden states out), whose stages cost the same.
 
 Bubble: 1 - (time in forwards and backwards, summed over stages) / (stages x the
 pipeline's span, from the first stage starting its instruction list to the last one
@@ -47,6 +47,8 @@ def parse_args():
     p.add_argument("--micro", default="1,2,3,4,5,6,7,8")
     p.add_argument("--tools", default="zfunc,ds")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each tool, alternating; medians, and the "
+                   "median of the per-repeat step-time ratios")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--width", type=int, default=512)
@@ -54,6 +56,7 @@ def parse_args():
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--small", action="store_true")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="anchor", help=argparse.SUPPRESS)
     p.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--p", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -72,19 +75,29 @@ class TiedEmbed(Embed):
         return self.tok_emb.weight
 
 
-def layers_of(cfg, layer_spec, tied_spec):
-    return [tied_spec("embed", TiedEmbed, cfg), *[layer_spec(Block, cfg) for _ in range(cfg.n_layers)],
-            layer_spec(torch.nn.LayerNorm, cfg.d_model), tied_spec("embed", TiedEmbed, cfg, forward_fn=lm_head)]
+def layers_of(args, cfg, layer_spec, tied_spec):
+    blocks = [layer_spec(Block, cfg) for _ in range(cfg.n_layers)]
+    if args.model == "balanced":
+        return blocks
+    return [tied_spec("embed", TiedEmbed, cfg), *blocks, layer_spec(torch.nn.LayerNorm, cfg.d_model),
+            tied_spec("embed", TiedEmbed, cfg, forward_fn=lm_head)]
 
 
 def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def loss_of(args):
+    return F.mse_loss if args.model == "balanced" else lm_loss
+
+
 def batches(args, step):
     g = torch.Generator().manual_seed(step)
     out = []
     for _ in range(args.m):
+        if args.model == "balanced":  # hidden states in, hidden states as targets
+            out.append((torch.randn(1, args.seq, args.width, generator=g), torch.randn(1, args.seq, args.width, generator=g)))
+            continue
         x = torch.randint(args.vocab, (1, args.seq + 1), generator=g)
         out.append((x[:, :-1], x[:, 1:]))
     return out
@@ -92,7 +105,7 @@ def batches(args, step):
 
 def run_zfunc(args, cfg):
     torch.manual_seed(0)
-    pipe = zf.PipelineModule(layers_of(cfg, zf.LayerSpec, zf.TiedLayerSpec), args.p, lm_loss,
+    pipe = zf.PipelineModule(layers_of(args, cfg, zf.LayerSpec, zf.TiedLayerSpec), args.p, loss_of(args),
                              partition_method="type:Block")
     engine = zf.initialize(pipe, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m,
                                   "gradient_clipping": 0.0,
@@ -120,7 +133,7 @@ def run_deepspeed(args, cfg):
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     torch.manual_seed(0)
-    model = PipelineModule(layers=layers_of(cfg, LayerSpec, TiedLayerSpec), num_stages=args.p, loss_fn=lm_loss, partition_method="type:Block")
+    model = PipelineModule(layers=layers_of(args, cfg, LayerSpec, TiedLayerSpec), num_stages=args.p, loss_fn=loss_of(args), partition_method="type:Block")
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
               "steps_per_print": 10 ** 9}
@@ -156,10 +169,10 @@ def worker(args):
 
 def model_args(args, model: str, p: int) -> dict:
     """anchor: the anchor GPT, whose last stage also holds the 8192-word head (unequal stages);
-    balanced: 2 blocks per stage and a 256-word vocabulary, so every stage costs about the same,
-    as the textbook bubble (p-1)/(m+p-1) assumes."""
+    balanced: only transformer blocks, 2 per stage, from hidden states to hidden states (an MSE
+    loss), so every stage costs the same, as the textbook bubble (p-1)/(m+p-1) assumes."""
     if model == "balanced":
-        return {"layers": 2 * p, "width": args.width, "vocab": 256, "seq": args.seq}
+        return {"layers": 2 * p, "width": args.width, "vocab": args.vocab, "seq": args.seq}
     return {"layers": args.layers, "width": args.width, "vocab": args.vocab, "seq": args.seq}
 
 
@@ -170,29 +183,36 @@ def main(args):
             for p in map(int, args.stages.split(",")):
                 for m in map(int, args.micro.split(",")):
                     row = {"model": model, "p": p, "m": m, **model_args(args, model, p)}
-                    for tool in args.tools.split(","):
-                        result = os.path.join(tmp, f"{tool}.{model}.{p}.{m}.json")
-                        argv = [os.path.abspath(__file__), "--worker", tool, "--m", str(m), "--p", str(p), "--result",
-                                result, f"--steps={args.steps}", f"--warmup={args.warmup}"] + [
-                            f"--{k}={row[k]}" for k in ("layers", "width", "vocab", "seq")]
-                        rcs = launch(argv, p, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, timeout=900)
-                        if any(rcs) or not os.path.exists(result):
-                            row[tool] = None
-                            continue
-                        with open(result) as f:
-                            row[tool] = json.load(f)
+                    runs = {tool: [] for tool in args.tools.split(",")}
+                    for repeat in range(args.repeats):  # the tools alternate: the machine drifts between runs
+                        for tool in runs:
+                            result = os.path.join(tmp, f"{tool}.{model}.{p}.{m}.{repeat}.json")
+                            argv = [os.path.abspath(__file__), "--worker", tool, "--m", str(m), "--p", str(p),
+                                    "--result", result, f"--steps={args.steps}", f"--warmup={args.warmup}",
+                                    f"--model={model}"] + [f"--{k}={row[k]}" for k in ("layers", "width", "vocab", "seq")]
+                            rcs = launch(argv, p, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}, timeout=900)
+                            if not any(rcs) and os.path.exists(result):
+                                with open(result) as f:
+                                    runs[tool].append(json.load(f))
+                            else:
+                                runs[tool].append(None)
+                    for tool, results in runs.items():
+                        ok = [r for r in results if r]
+                        row[tool] = None if not ok else {k: statistics.median(r[k] for r in ok) for k in ok[0]}
+                    pairs = [(z["step_s"], d["step_s"]) for z, d in zip(runs.get("zfunc", []), runs.get("ds", [])) if z and d]
+                    row["ratio"] = statistics.median(a / b for a, b in pairs) if pairs else None
                     print(row, file=sys.stderr)
                     rows.append(row)
     print(f"\nGPT, d_model {args.width}, seq {args.seq}, micro-batches of 1 sequence, gloo CPU, one thread per stage; "
-          f"median over {args.steps} steps after {args.warmup}. anchor: {args.layers} blocks, vocab {args.vocab}; "
-          "balanced: 2 blocks per stage, vocab 256\n")
+          f"median over {args.steps} steps after {args.warmup}, {args.repeats} alternating runs each. anchor: {args.layers} blocks, vocab {args.vocab}; "
+          "balanced: 2 blocks per stage, hidden states in and out (MSE)\n")
     print("| model | stages p | micro-batches m | ideal bubble (p-1)/(m+p-1) | ideal for the partition | zfunc bubble "
           "| zfunc step s | DeepSpeed step s | zfunc / DeepSpeed |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         ideal = (r["p"] - 1) / (r["m"] + r["p"] - 1)
         z, d = r.get("zfunc"), r.get("ds")
-        ratio = f"{z['step_s'] / d['step_s']:.2f}" if z and d else ""
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
         bubble = "" if not z else f"{z['bubble']:.3f}"
         partition = "" if not z else f"{z['partition_ideal']:.3f}"
         print(f"| {r['model']} | {r['p']} | {r['m']} | {ideal:.3f} | {partition} | {bubble} | "

@@ -47,6 +47,7 @@ class GradSink:
         store = swap.store_of(spec.swap)
         self.store = store if store is not None and store.grads else None
         self.on_file: set[int] = set()  # units whose sum so far is in their gradient file
+        self.views: dict[int, list] = {}  # unit -> its accumulator's per-parameter views (take_parts)
         self.reducing: dict[int, object] = {}  # unit -> its whole sum's reduction in flight (last micro-batch)
 
     def _acc(self, unit) -> torch.Tensor:
@@ -78,23 +79,25 @@ class GradSink:
         """Add a unit's per-parameter gradients (``None``: no gradient) straight into its
         accumulator: the first micro-batch copies, later ones add, as autograd's ``.grad`` does,
         with no flat buffer between."""
-        acc = self.acc.get(unit.index)
-        fresh = acc is None
+        views = self.views.get(unit.index)
+        fresh = views is None
         if fresh:
-            acc = buffers.empty(self.spec.segment(unit.index).padded, torch.float32, unit.device)
-            self.acc[unit.index] = acc
+            acc = self.acc[unit.index] = buffers.empty(self.spec.segment(unit.index).padded, torch.float32,
+                                                       unit.device)
+            views = self.views[unit.index] = list(unit.segment.unflatten(acc).values())
+            acc[unit.segment.numel:].zero_()  # the padding
         else:
+            acc = self.acc[unit.index]
             self._settled(unit)
-        offset = 0
-        for entry, g in zip(unit.segment.entries, grads):
-            dst = acc[offset: offset + entry.numel]
+        dst, src = [], []
+        for view, g in zip(views, grads):
             if g is not None:
-                (dst.view(entry.shape).copy_ if fresh else dst.view(entry.shape).add_)(g)
+                dst.append(view)
+                src.append(g)
             elif fresh:
-                dst.zero_()
-            offset += entry.numel
-        if fresh:
-            acc[offset:].zero_()
+                view.zero_()
+        if dst:
+            (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
         self._reduce_if_last(unit, acc)
 
     def take(self, unit, grad_full: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
 
@@ -100,13 +101,9 @@ class ParamView(Mapping):
             # until the step is over, so every read of a weight sees the state's value
             self._swapped += lazy.swap_in(model, self.spec.canonical_name)
         handles = []
-        root = None
-        for unit in self.spec.units:
-            if unit.name == "":
-                root = unit
-                continue
-            module = model.get_submodule(unit.name)
-            swap = _UnitSwap(self, model, unit.located)
+        root, sites = _sites(model, self.spec)
+        for module, slots in sites:
+            swap = _UnitSwap(self, slots)
             handles.append(module.register_forward_pre_hook(swap.enter))
             handles.append(module.register_forward_hook(swap.exit, always_call=True))
         if self.input_dtype is not None:
@@ -123,15 +120,34 @@ class ParamView(Mapping):
                 h.remove()
 
 
+_SITES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _sites(model: nn.Module, spec: ModelSpec):
+    """The root unit, and each other unit's module with its parameter slots ``(name, owner,
+    attr)``: looked up once per model and layout, not at every forward."""
+    cached = _SITES.get(model)
+    if cached is None or cached[0] is not spec:
+        root, sites = None, []
+        for unit in spec.units:
+            if unit.name == "":
+                root = unit
+                continue
+            slots = []
+            for name in unit.located:
+                owner, _, attr = name.rpartition(".")
+                slots.append((name, model.get_submodule(owner), attr))
+            sites.append((model.get_submodule(unit.name), tuple(slots)))
+        cached = _SITES[model] = (spec, root, tuple(sites))
+    return cached[1], cached[2]
+
+
 class _UnitSwap:
     """Forward hooks that put a unit's materialized tensors into its modules, then take them out."""
 
-    def __init__(self, view: ParamView, model: nn.Module, names: tuple[str, ...]):
+    def __init__(self, view: ParamView, slots: tuple):
         self.view = view
-        self.slots = []
-        for name in names:
-            owner, _, attr = name.rpartition(".")
-            self.slots.append((name, model.get_submodule(owner), attr))
+        self.slots = slots
         self.saved: list[list] = []
 
     def enter(self, module, args):
