@@ -294,5 +294,10 @@ def send_start(t: torch.Tensor, dst: int, tag: int = 0) -> Pending:
 
 def recv(t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
     """Fill ``t`` from global rank ``src`` (point to point); returns ``t``."""
-    _wait(dist.irecv(t, src, tag=tag))
-    return t
+    return recv_start(t, src, tag).wait()
+
+
+def recv_start(t: torch.Tensor, src: int, tag: int = 0) -> Pending:
+    """Start filling ``t`` from global rank ``src``; ``wait()`` returns it. Receives from one
+    source with one tag are matched to its sends in order."""
+    return Pending(t, dist.irecv(t, src, tag=tag))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from typing import Iterator
 
 import torch
@@ -38,12 +39,20 @@ ACT, GRAD = 0, 1  # tags: activations go forward, gradients come back
 
 class _Link:
     """Point-to-point transfers with one peer in one direction; tensor shapes sent the first time
-    and cached (they are the same for every micro-batch), so later transfers carry data only."""
+    and cached (they are the same for every micro-batch), so later transfers carry data only.
+
+    Once the shapes are known, a receiving link posts its next receives ahead (``AHEAD``, within
+    the run's count, ``expect``): the data moves while this stage computes, instead of after it
+    asks, which would put a transfer on the critical path of every micro-batch."""
+
+    AHEAD = 2
 
     def __init__(self, peer: int, tag: int):
         self.peer, self.tag = peer, tag
         self.meta: list[tuple[torch.dtype, tuple]] | None = None
-        self.pending: list = []
+        self.pending: list = []  # sends in flight
+        self.posted: deque = deque()  # receives in flight, oldest first
+        self.left = 0  # receives of this run not posted yet
 
     def send(self, tensors: tuple) -> None:
         if self.meta is None:
@@ -57,6 +66,17 @@ class _Link:
         for t in tensors:
             self.pending.append(dist.send_start(t.detach(), self.peer, self.tag))
 
+    def expect(self, receives: int) -> None:
+        """This run receives ``receives`` times on this link: post the first ones now."""
+        self.left = receives
+        self._post()
+
+    def _post(self) -> None:
+        while self.meta is not None and self.left > 0 and len(self.posted) < self.AHEAD:
+            self.posted.append([dist.recv_start(torch.empty(shape, dtype=dtype), self.peer, self.tag)
+                                for dtype, shape in self.meta])
+            self.left -= 1
+
     def recv(self) -> tuple:
         if self.meta is None:
             n = dist.recv(torch.zeros(1, dtype=torch.int64), self.peer, self.tag)
@@ -67,7 +87,12 @@ class _Link:
                 meta.append((dtype, tuple(code[k + 2: k + 2 + ndim])))
                 k += 2 + ndim
             self.meta = meta
-        return tuple(dist.recv(torch.empty(shape, dtype=dtype), self.peer, self.tag) for dtype, shape in self.meta)
+        if not self.posted:
+            self.left = max(self.left, 1)
+            self._post()
+        out = tuple(p.wait() for p in self.posted.popleft())
+        self._post()
+        return out
 
     def finish(self) -> None:
         while self.pending:
@@ -178,6 +203,9 @@ class PipelineEngine:
         grads = None
         grad_ctx = torch.enable_grad() if train else torch.no_grad()
         self.forward_s = self.backward_s = 0.0  # the rest of the schedule's time is bubble and transfers
+        for link, kind in ((self.fwd_in, S.RecvActivation), (self.bwd_in, S.RecvGrad)):
+            if link is not None:
+                link.expect(sum(isinstance(i, kind) for i in program))
         with grad_ctx, materialized(state.params, state.frozen, buffers, differentiable=train) as (view, tracker, _):
             sink = GradSink(grad_spec(state.params.spec)) if train else None
             tracker.sink = sink
