@@ -6,7 +6,7 @@
 
 This file is the map of the library: everything public is imported here.
 """
-from . import checkpoint, dist, optim, swap, testing
+from . import checkpoint, dist, optim, schedules, swap, testing
 from .accumulate import accumulate
 from .coordinator import OrderChangedWarning, RanksDivergedError
 from .engine import Engine, RepeatingLoader, initialize
