@@ -151,7 +151,7 @@ def worker(args):
     torch.set_num_threads(1)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= args.p:  # one core per stage: the stages' times do not depend on where the OS puts them
-        os.sched_setaffinity(0, {cores[(int(os.environ["RANK"]) + int(os.environ.get("PIN_SHIFT", "0"))) % len(cores)]})
+        os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
     if args.worker == "ds":
         import deepspeed
         deepspeed.init_distributed(dist_backend="gloo")
