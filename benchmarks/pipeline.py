@@ -110,22 +110,53 @@ def run_zfunc(args, cfg):
     engine = zf.initialize(pipe, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m,
                                   "gradient_clipping": 0.0,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}})
-    times, bubbles, ideals = [], [], []
+    times, bubbles = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         engine.train_batch(iter(batches(args, i)))
         dt = time.perf_counter() - t0
         mine = engine.last_metrics
-        row = torch.tensor([mine["forward_s"], mine["backward_s"], *mine["schedule_window"]], dtype=torch.float64)
-        every = [torch.zeros_like(row) for _ in range(args.p)]
-        dist.all_gather(every, row)
-        fwd, bwd, start, end = torch.stack(every).unbind(1)
-        span = (end.max() - start.min()).item()  # perf_counter is one clock for every process here
+        bubble = measure(args, mine["forward_s"], mine["backward_s"], *mine["schedule_window"])
         if i >= args.warmup:
             times.append(dt)
-            bubbles.append(1 - (fwd.sum() + bwd.sum()).item() / (args.p * span))
-            ideals.append(schedules.ideal_bubble("1f1b", args.m, (fwd / args.m).tolist(), (bwd / args.m).tolist()))
-    return times, (bubbles, ideals)
+            bubbles.append(bubble)
+    return times, bubbles
+
+
+def measure(args, forward_s, backward_s, start, end):
+    """(bubble, ideal for the partition) of one step from every stage's busy times and window."""
+    row = torch.tensor([forward_s, backward_s, start, end], dtype=torch.float64)
+    every = [torch.zeros_like(row) for _ in range(args.p)]
+    dist.all_gather(every, row)
+    fwd, bwd, start, end = torch.stack(every).unbind(1)
+    span = (end.max() - start.min()).item()  # perf_counter is one clock for every process here
+    return (1 - (fwd.sum() + bwd.sum()).item() / (args.p * span),
+            schedules.ideal_bubble("1f1b", args.m, (fwd / args.m).tolist(), (bwd / args.m).tolist()))
+
+
+def time_deepspeed_schedule(engine) -> dict:
+    """DeepSpeed's instructions timed the way zfunc's engine times its own: forwards, backwards,
+    and the window from the first instruction to the tied-gradient reduction that starts the
+    update (reset by the caller each step)."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    marks = {}
+
+    def timed(fn, kind):
+        def run(self, **kw):
+            t = time.perf_counter()
+            marks.setdefault("start", t)
+            if kind == "end":
+                marks["end"] = t
+            out = fn(self, **kw)
+            if kind in ("forward", "backward"):
+                marks[kind] = marks.get(kind, 0.0) + time.perf_counter() - t
+            return out
+        return run
+
+    kinds = {ds.ForwardPass: "forward", ds.BackwardPass: "backward", ds.ReduceTiedGrads: "end"}
+    engine._INSTRUCTION_MAP = {k: timed(v, kinds.get(k)) for k, v in type(engine)._INSTRUCTION_MAP.items()}
+    return marks
 
 
 def run_deepspeed(args, cfg):
@@ -138,13 +169,18 @@ def run_deepspeed(args, cfg):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
               "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
-    times = []
+    marks = time_deepspeed_schedule(engine)
+    times, bubbles = [], []
     for i in range(args.warmup + args.steps):
+        marks.clear()
         t0 = time.perf_counter()
         engine.train_batch(iter(batches(args, i)))
+        dt = time.perf_counter() - t0
+        bubble = measure(args, marks.get("forward", 0.0), marks.get("backward", 0.0), marks["start"], marks["end"])
         if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return times, None
+            times.append(dt)
+            bubbles.append(bubble)
+    return times, bubbles
 
 
 def worker(args):
@@ -162,8 +198,7 @@ def worker(args):
     times, bubbles = (run_deepspeed if args.worker == "ds" else run_zfunc)(args, cfg)
     if dist.get_rank() == 0:
         out = {"step_s": statistics.median(times)}
-        if bubbles is not None:
-            out["bubble"], out["partition_ideal"] = map(statistics.median, bubbles)
+        out["bubble"], out["partition_ideal"] = (statistics.median(b[k] for b in bubbles) for k in (0, 1))
         with open(args.result, "w") as f:
             json.dump(out, f)
     dist.barrier()
@@ -209,16 +244,17 @@ def main(args):
     print(f"\nGPT, d_model {args.width}, seq {args.seq}, micro-batches of 1 sequence, gloo CPU, one thread per stage; "
           f"median over {args.steps} steps after {args.warmup}, {args.repeats} alternating runs each. anchor: {args.layers} blocks, vocab {args.vocab}; "
           "balanced: 2 blocks per stage, hidden states in and out (MSE)\n")
-    print("| model | stages p | micro-batches m | ideal bubble (p-1)/(m+p-1) | ideal for the partition | zfunc bubble "
-          "| zfunc step s | DeepSpeed step s | zfunc / DeepSpeed |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | stages p | micro-batches m | ideal bubble (p-1)/(m+p-1) | ideal for zfunc's partition | zfunc bubble "
+          "| DeepSpeed bubble (its partition's ideal) | zfunc step s | DeepSpeed step s | zfunc / DeepSpeed |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         ideal = (r["p"] - 1) / (r["m"] + r["p"] - 1)
         z, d = r.get("zfunc"), r.get("ds")
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
         bubble = "" if not z else f"{z['bubble']:.3f}"
         partition = "" if not z else f"{z['partition_ideal']:.3f}"
-        print(f"| {r['model']} | {r['p']} | {r['m']} | {ideal:.3f} | {partition} | {bubble} | "
+        ds_bubble = "" if not d else f"{d['bubble']:.3f} ({d['partition_ideal']:.3f})"
+        print(f"| {r['model']} | {r['p']} | {r['m']} | {ideal:.3f} | {partition} | {bubble} | {ds_bubble} | "
               f"{'failed' if not z else format(z['step_s'], '.3f')} | {'failed' if not d else format(d['step_s'], '.3f')} "
               f"| {ratio} |")
 
