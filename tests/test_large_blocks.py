@@ -44,8 +44,8 @@ def test_a_freed_block_is_reused_by_the_next_request_of_its_size():
     """)
 
 
-def test_cache_never_holds_more_than_a_quarter_above_the_peak_of_live_blocks():
-    """Random sizes, random frees: live + cached never exceeds 5/4 of the most ever live at once."""
+def test_cache_never_holds_more_than_the_peak_of_live_blocks():
+    """Random sizes, random frees: live + cached never exceeds the most ever live at once."""
     run_fresh("""
         import random
         rng = random.Random(0)
@@ -56,30 +56,11 @@ def test_cache_never_holds_more_than_a_quarter_above_the_peak_of_live_blocks():
             else:
                 held.append(torch.empty(rng.choice([1, 2, 3, 5, 8]) << 19))  # 2 to 20 MiB
             s = lb.stats()
-            assert s["live_bytes"] + s["cached_bytes"] <= s["peak_live_bytes"] * 5 // 4, (i, s)
-            worst = max(worst, (s["live_bytes"] + s["cached_bytes"]) / s["peak_live_bytes"])
-        assert worst > 1  # the headroom is used: the bound above is the one that holds
+            assert s["live_bytes"] + s["cached_bytes"] <= s["peak_live_bytes"], (i, s)
         held.clear()
         assert lb.stats()["live_bytes"] == 0
         lb.empty_cache()
         assert lb.stats()["cached_bytes"] == 0
-    """)
-
-
-def test_a_step_whose_sizes_peak_at_different_times_stops_missing_after_its_first_round():
-    """Gradient sums held all step, activations of one size in forward, weight gradients of
-    another in backward: from the second round every request is served from the cache."""
-    run_fresh("""
-        held = [torch.empty(10 << 18) for _ in range(4)]  # 4 x 10 MiB for the whole step
-        for round in range(4):
-            before = lb.stats()
-            acts = [torch.empty(1 << 19) for _ in range(4)]  # forward: 4 x 2 MiB
-            del acts
-            grads = [torch.empty(1 << 20) for _ in range(2)]  # backward: 2 x 4 MiB
-            del grads
-            after = lb.stats()
-            if round:
-                assert after["misses"] == before["misses"], (round, before, after)
     """)
 
 

@@ -4,8 +4,8 @@ Made and dropped every step, interleaved with activations, they must neither
 stay resident after use nor be faulted in afresh each time. ``use_large_blocks``
 (called by ``Step.init``) makes torch's CPU allocator zfunc's large-block
 cache (zfunc.ops.large_blocks): every CPU tensor of 1 MiB or more, ours and
-autograd's alike, is then reused by size and bounded by a quarter above the
-peak of live blocks, and the functions here are plain ``torch.empty``. Where that op
+autograd's alike, is then reused by size and bounded by the peak of live
+blocks, and the functions here are plain ``torch.empty``. Where that op
 cannot be built (or ``ZFUNC_CPU_ALLOCATOR=0``), two fallbacks cover our own
 buffers, though not autograd's:
 

@@ -1,5 +1,5 @@
-// A CPU allocator for torch that keeps large blocks for reuse, bounded by a
-// quarter above the most the process ever had live at once.
+// A CPU allocator for torch that keeps large blocks for reuse, bounded by the
+// most the process ever had live at once.
 //
 // Why: glibc's malloc serves torch's large temporaries (a gathered unit,
 // autograd's weight gradients, activations) from its heap once its dynamic
@@ -12,9 +12,9 @@
 // pages where the kernel offers them), rounded up to 64 KiB. A freed block is
 // kept, by size, for the next request of that size: a training step asks for
 // the same sizes every step, so after the first one there are almost no page
-// faults. The cache never makes the process hold more than 5/4 of the peak of
-// live large blocks: on a miss, cached blocks are unmapped (largest first) until
-// cached + live + the new block fits under that bound. Smaller requests go to
+// faults. The cache never makes the process hold more than the peak of live
+// large blocks: on a miss, cached blocks are unmapped (largest first) until
+// cached + live + the new block fits under that peak. Smaller requests go to
 // the allocator that was installed before (torch's default).
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
@@ -31,12 +31,6 @@
 namespace {
 
 constexpr size_t kGrain = 64 << 10;
-// The cache may hold up to 1/kHeadroom above the peak of live blocks: a step's sizes peak
-// at different times (activations in forward, weight gradients in backward), and a cache
-// held to the peak itself evicted blocks the step would ask for again (a third of a
-// pipeline stage's requests missed, each a fresh mapping faulted in); a quarter more
-// removed every miss there for about 1% more resident memory.
-constexpr size_t kHeadroom = 4;
 constexpr size_t kHugePage = 2 << 20;
 
 class LargeBlocks final : public c10::Allocator {
@@ -58,8 +52,7 @@ class LargeBlocks final : public c10::Allocator {
         ++hits_;
       } else {
         ++misses_;
-        const size_t peak = std::max(peak_live_, live_ + size);
-        const size_t limit = peak + peak / kHeadroom;
+        const size_t limit = std::max(peak_live_, live_ + size);
         while (cached_ > 0 && cached_ + live_ + size > limit) {
           auto largest = std::prev(free_.end());
           if (largest->second.empty()) {

@@ -3,9 +3,8 @@
 ``install()`` makes it the allocator of every later CPU tensor of at least
 ``MIN_BYTES`` (smaller ones still go to the allocator torch had), once per
 process. A freed large block is kept for the next request of its size, and
-the cache never lets the process hold more than a quarter above its peak of
-live large blocks (sizes peak at different times in a step: held to the peak
-itself, the cache evicted blocks the step asked for again), so a training step, which asks for the same sizes every step, runs
+the cache never lets the process hold more than its peak of live large
+blocks, so a training step, which asks for the same sizes every step, runs
 without page faults after its first and without the heap fragmentation that
 glibc's malloc leaves behind per-unit temporaries. ``ZFUNC_CPU_ALLOCATOR=0``
 (or ``ZFUNC_OPS_DISABLE=large_blocks``) keeps torch's allocator.
