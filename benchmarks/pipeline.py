@@ -110,13 +110,19 @@ def run_zfunc(args, cfg):
     engine = zf.initialize(pipe, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.m,
                                   "gradient_clipping": 0.0,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}})
+    return time_steps(args, engine, lambda: (engine.last_metrics["forward_s"], engine.last_metrics["backward_s"],
+                                             *engine.last_metrics["schedule_window"]))
+
+
+def time_steps(args, engine, stage_times):
+    """Each timed step's time and (bubble, ideal for the partition); ``stage_times()`` gives this
+    stage's (forward_s, backward_s, start, end) for the step just run."""
     times, bubbles = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         engine.train_batch(iter(batches(args, i)))
         dt = time.perf_counter() - t0
-        mine = engine.last_metrics
-        bubble = measure(args, mine["forward_s"], mine["backward_s"], *mine["schedule_window"])
+        bubble = measure(args, *stage_times())
         if i >= args.warmup:
             times.append(dt)
             bubbles.append(bubble)
@@ -137,7 +143,7 @@ def measure(args, forward_s, backward_s, start, end):
 def time_deepspeed_schedule(engine) -> dict:
     """DeepSpeed's instructions timed the way zfunc's engine times its own: forwards, backwards,
     and the window from the first instruction to the tied-gradient reduction that starts the
-    update (reset by the caller each step)."""
+    update."""
     from deepspeed.runtime.pipe import schedule as ds
 
     marks = {}
@@ -169,18 +175,9 @@ def run_deepspeed(args, cfg):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
               "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
-    marks = time_deepspeed_schedule(engine)
-    times, bubbles = [], []
-    for i in range(args.warmup + args.steps):
-        marks.clear()
-        t0 = time.perf_counter()
-        engine.train_batch(iter(batches(args, i)))
-        dt = time.perf_counter() - t0
-        bubble = measure(args, marks.get("forward", 0.0), marks.get("backward", 0.0), marks["start"], marks["end"])
-        if i >= args.warmup:
-            times.append(dt)
-            bubbles.append(bubble)
-    return times, bubbles
+    marks = time_deepspeed_schedule(engine)  # read and emptied after each step
+    return time_steps(args, engine, lambda: (marks.pop("forward", 0.0), marks.pop("backward", 0.0),
+                                             marks.pop("start"), marks.pop("end")))
 
 
 def worker(args):

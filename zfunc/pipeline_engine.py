@@ -87,9 +87,7 @@ class _Link:
                 meta.append((dtype, tuple(code[k + 2: k + 2 + ndim])))
                 k += 2 + ndim
             self.meta = meta
-        if not self.posted:
-            self.left = max(self.left, 1)
-            self._post()
+            self._post()  # what ``expect`` could not post before the shapes were known
         out = tuple(p.wait() for p in self.posted.popleft())
         self._post()
         return out
@@ -171,23 +169,20 @@ class PipelineEngine:
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
-    @property
-    def micro_batches(self) -> int:
-        return self.config.gradient_accumulation_steps
-
     def _pull(self, data_iter) -> list:
         """The step's micro-batches (first and last stage only: the others need no data)."""
         if not (self.module.first or self.module.last):
-            return [None] * self.micro_batches
+            return [None] * self.gradient_accumulation_steps
         if data_iter is None:
             raise ValueError(f"stage {self.grid.stage} (the {'first' if self.module.first else 'last'}) needs "
                              "data_iter: an iterator over (inputs, labels) micro-batches")
         out = []
-        for _ in range(self.micro_batches):
+        n = self.gradient_accumulation_steps
+        for _ in range(n):
             try:
                 out.append(_split_batch(next(data_iter)))
             except StopIteration:
-                raise StopIteration(f"data_iter ended after {len(out)} of the {self.micro_batches} micro-batches of a "
+                raise StopIteration(f"data_iter ended after {len(out)} of the {n} micro-batches of a "
                                     "step; wrap the loader in zf.RepeatingLoader") from None
         return out
 
