@@ -61,14 +61,22 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def layers():
+class First(nn.Module):
+    """Drops the second activation: its gradient is none, and zeros go back for it."""
+
+    def forward(self, a, b):
+        return a
+
+
+def layers(kind: str = "join"):
+    """kind "join": the stage after the cut uses both activations of the pair; "first": only one."""
     return [zf.TiedLayerSpec("emb", Emb, 1), zf.LayerSpec(Lin, 2), zf.LayerSpec(Lin, 3), zf.LayerSpec(Split),
-            zf.LayerSpec(Join), zf.LayerSpec(Lin, 4), zf.LayerSpec(Lin, 5),
+            zf.LayerSpec({"join": Join, "first": First}[kind]), zf.LayerSpec(Lin, 4), zf.LayerSpec(Lin, 5),
             zf.TiedLayerSpec("emb", Emb, 1, forward_fn=lm_head)]
 
 
-def pipe(stages: int, schedule: str = "1f1b", method: str = "uniform"):
-    return zf.PipelineModule(layers(), stages, lm_loss, partition_method=method, schedule=schedule)
+def pipe(stages: int, schedule: str = "1f1b", method: str = "uniform", kind: str = "join"):
+    return zf.PipelineModule(layers(kind), stages, lm_loss, partition_method=method, schedule=schedule)
 
 
 def micro_batch(step: int, m: int, replica: int, size: int = 2):
@@ -83,8 +91,9 @@ def config(micro: int, stage: int = 1, **extra) -> dict:
             "zero_optimization": {"stage": stage}, **extra}
 
 
-def run_pipeline(stages: int, micro: int, steps: int, schedule: str, stage: int = 1, extra=None) -> dict:
-    engine = zf.initialize(pipe(stages, schedule), config(micro, stage, **(extra or {})))
+def run_pipeline(stages: int, micro: int, steps: int, schedule: str, stage: int = 1, extra=None,
+                 kind: str = "join") -> dict:
+    engine = zf.initialize(pipe(stages, schedule, kind=kind), config(micro, stage, **(extra or {})))
     replica = engine.grid.replica
     losses = []
     for i in range(steps):
@@ -95,9 +104,9 @@ def run_pipeline(stages: int, micro: int, steps: int, schedule: str, stage: int 
             "eval": float(engine.eval_batch(iter([micro_batch(steps, m, replica) for m in range(micro)])))}
 
 
-def reference(stages: int, micro: int, steps: int, replicas: int) -> dict:
+def reference(stages: int, micro: int, steps: int, replicas: int, kind: str = "join") -> dict:
     """The whole model in one process, torch.optim.AdamW, the mean loss over all micro-batches."""
-    model = pipe(stages).build_all()
+    model = pipe(stages, kind=kind).build_all()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for i in range(steps):
@@ -133,9 +142,9 @@ def _module_index(model, layer: int) -> int:
     return next(w for j, k, w in model._calls if j == layer and k == "module")
 
 
-def _check(results, stages, micro, steps, replicas):
-    ref = reference(stages, micro, steps, replicas)
-    p = pipe(stages)
+def _check(results, stages, micro, steps, replicas, kind: str = "join"):
+    ref = reference(stages, micro, steps, replicas, kind)
+    p = pipe(stages, kind=kind)
     for r in results:
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert r["eval"] == pytest.approx(ref["eval"], rel=1e-5)
@@ -149,6 +158,13 @@ def test_two_stages_equal_the_unpipelined_model(micro, schedule):
     """P = 2: the embedding and the LM head tied across the first and last stage, a tuple
     activation crossing the cut, micro-batch counts 1 to 8."""
     _check(workers(2).run(run_pipeline, 2, micro, 3, schedule), 2, micro, 3, 1)
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_an_activation_the_next_stage_drops_gets_a_zero_gradient(micro):
+    """A stage's input gradients go back from inside its backward, once autograd has every one;
+    one that never gets a gradient (the next stage ignores it) goes back as zeros after it."""
+    _check(workers(2).run(run_pipeline, 2, micro, 3, "1f1b", 1, None, "first"), 2, micro, 3, 1, "first")
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

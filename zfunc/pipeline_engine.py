@@ -97,6 +97,17 @@ class _Link:
             self.pending.pop(0).wait()
 
 
+class _Inputs(tuple):
+    """A micro-batch's received activations; ``sent``: their gradients have gone back."""
+
+    sent = False
+
+
+def _input_grads(xs) -> tuple:
+    """What ``SendGrad`` sends: each floating input's gradient (zeros where it had none)."""
+    return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs if x.is_floating_point())
+
+
 def _split_batch(batch):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise TypeError(f"a pipeline micro-batch is a pair (inputs, labels), got {type(batch).__name__}")
@@ -213,8 +224,8 @@ class PipelineEngine:
                     if module.last:
                         labels[m] = y
                 elif isinstance(ins, S.RecvActivation):
-                    inputs[m] = tuple(t.requires_grad_() if train and t.is_floating_point() else t
-                                      for t in self.fwd_in.recv())
+                    inputs[m] = _Inputs(t.requires_grad_() if train and t.is_floating_point() else t
+                                        for t in self.fwd_in.recv())
                 elif isinstance(ins, S.Forward):
                     t0 = time.perf_counter()
                     with lazy.resolving(view), tracker.hooks():
@@ -230,6 +241,7 @@ class PipelineEngine:
                     out_grads[m] = self.bwd_in.recv()
                 elif isinstance(ins, S.Backward):
                     sink.last = m == n - 1
+                    early = self._send_grads_early(inputs[m]) if self.bwd is not None else []
                     t0 = time.perf_counter()
                     with lazy.resolving(tracker):
                         if module.last:
@@ -238,10 +250,12 @@ class PipelineEngine:
                             pairs = [(o, g) for o, g in zip(outputs.pop(m), out_grads.pop(m)) if o.requires_grad]
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     self.backward_s += time.perf_counter() - t0
+                    for handle in early:
+                        handle.remove()
                 elif isinstance(ins, S.SendGrad):
                     xs = inputs.pop(m)
-                    self.bwd.send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
-                                        for x in xs if x.is_floating_point()))
+                    if not xs.sent:  # some input got no gradient: zeros for it, sent now
+                        self.bwd.send(_input_grads(xs))
                 elif isinstance(ins, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
                     pass  # after the set-up closes: see _update
             if train:
@@ -251,6 +265,22 @@ class PipelineEngine:
             if link is not None:
                 link.finish()
         return [losses[m].detach().float() for m in sorted(losses)], grads
+
+    def _send_grads_early(self, xs: "_Inputs") -> list:
+        """Post a micro-batch's ``SendGrad`` from inside its ``Backward``, the moment autograd has
+        accumulated every input's gradient: the previous stage waits on this transfer in 1F1B's
+        steady state, and the rest of the backward (the first layer's weight gradients going into
+        the accumulator) need not delay it. Returns the hooks, removed after the backward."""
+        waiting = [x for x in xs if x.is_floating_point() and x.requires_grad]
+        left = [len(waiting)]
+
+        def arrived(_):
+            left[0] -= 1
+            if left[0] == 0:
+                self.bwd.send(_input_grads(xs))
+                xs.sent = True
+
+        return [x.register_post_accumulate_grad_hook(arrived) for x in waiting]
 
     def _loss(self, out, y) -> torch.Tensor:
         loss = self.pipe.loss_fn(out, y)
