@@ -235,7 +235,8 @@ def main(args):
                         ok = [r for r in results if r]
                         row[tool] = None if not ok else {k: statistics.median(r[k] for r in ok) for k in ok[0]}
                     pairs = [(z["step_s"], d["step_s"]) for z, d in zip(runs.get("zfunc", []), runs.get("ds", [])) if z and d]
-                    row["ratio"] = statistics.median(a / b for a, b in pairs) if pairs else None
+                    row["ratios"] = [round(a / b, 3) for a, b in pairs]  # per run: how much the machine drifts
+                    row["ratio"] = statistics.median(row["ratios"]) if pairs else None
                     print(row, file=sys.stderr)
                     rows.append(row)
     print(f"\nGPT, d_model {args.width}, seq {args.seq}, micro-batches of 1 sequence, gloo CPU, one thread per stage; "
