@@ -16,13 +16,6 @@
 // large blocks: on a miss, cached blocks are unmapped (largest first) until
 // cached + live + the new block fits under that peak. Smaller requests go to
 // the allocator that was installed before (torch's default).
-//
-// A miss still reuses memory: sizes peak at different times in a step
-// (activations in forward, weight gradients in backward), so under that bound
-// the cache often holds blocks of other sizes when one is asked for. The
-// smallest larger cached block is shrunk to fit (or, if none is larger, the
-// largest is grown) with mremap: its pages stay resident and only the growth
-// is faulted in, where a fresh mapping would fault in all of it.
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
 #include <pthread.h>
@@ -48,37 +41,33 @@ class LargeBlocks final : public c10::Allocator {
     if (n < min_bytes_) return fallback_->allocate(n);
     const size_t size = (n + kGrain - 1) / kGrain * kGrain;
     void* p = nullptr;
-    std::pair<void*, size_t> resize{nullptr, 0};  // a cached block of another size, to fit to this one
     std::vector<std::pair<void*, size_t>> unmap;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto hit = free_.find(size);
-      if (hit != free_.end()) {
-        p = take(hit);
+      if (hit != free_.end() && !hit->second.empty()) {
+        p = hit->second.back();
+        hit->second.pop_back();
+        cached_ -= size;
         ++hits_;
       } else {
         ++misses_;
         const size_t limit = std::max(peak_live_, live_ + size);
-        if (!free_.empty()) {
-          auto larger = free_.upper_bound(size);
-          auto it = larger != free_.end() ? larger : std::prev(free_.end());
-          resize.second = it->first;
-          resize.first = take(it);
-          ++resized_;
+        while (cached_ > 0 && cached_ + live_ + size > limit) {
+          auto largest = std::prev(free_.end());
+          if (largest->second.empty()) {
+            free_.erase(largest);
+            continue;
+          }
+          unmap.emplace_back(largest->second.back(), largest->first);
+          largest->second.pop_back();
+          cached_ -= largest->first;
         }
-        while (cached_ > 0 && cached_ + live_ + size > limit) unmap.push_back(take_largest());
       }
       live_ += size;
       peak_live_ = std::max(peak_live_, live_);
     }
-    for (auto& [q, bytes] : unmap) munmap(q, bytes);
-    if (resize.first != nullptr) {
-      p = mremap(resize.first, resize.second, size, MREMAP_MAYMOVE);
-      if (p == MAP_FAILED) {
-        munmap(resize.first, resize.second);
-        p = nullptr;
-      }
-    }
+    for (auto& [q, s] : unmap) munmap(q, s);
     if (p == nullptr) {
       p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) {
@@ -86,8 +75,8 @@ class LargeBlocks final : public c10::Allocator {
         live_ -= size;
         TORCH_CHECK(false, "zfunc large-block allocator: out of memory mapping ", size, " bytes");
       }
+      if (size >= kHugePage) madvise(p, size, MADV_HUGEPAGE);
     }
-    if (size >= kHugePage && (resize.first == nullptr || size > resize.second)) madvise(p, size, MADV_HUGEPAGE);
     {
       std::lock_guard<std::mutex> lock(mu_);
       sizes_[p] = size;
@@ -119,22 +108,6 @@ class LargeBlocks final : public c10::Allocator {
     cached_ += size;
   }
 
-  // A cached block out of the cache (the caller holds the lock); no size is left without blocks.
-  void* take(std::map<size_t, std::vector<void*>>::iterator it) {
-    void* p = it->second.back();
-    it->second.pop_back();
-    cached_ -= it->first;
-    if (it->second.empty()) free_.erase(it);
-    return p;
-  }
-
-  std::pair<void*, size_t> take_largest() {
-    auto largest = std::prev(free_.end());
-    const size_t size = largest->first;
-    void* p = take(largest);
-    return {p, size};
-  }
-
   void empty_cache() {
     std::vector<std::pair<void*, size_t>> unmap;
     {
@@ -152,7 +125,7 @@ class LargeBlocks final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mu_);
     return {{"live_bytes", int64_t(live_)}, {"cached_bytes", int64_t(cached_)},
             {"peak_live_bytes", int64_t(peak_live_)}, {"hits", int64_t(hits_)},
-            {"misses", int64_t(misses_)}, {"resized", int64_t(resized_)}, {"min_bytes", int64_t(min_bytes_)}};
+            {"misses", int64_t(misses_)}, {"min_bytes", int64_t(min_bytes_)}};
   }
 
   // a child forked while another thread held the lock would wait forever
@@ -164,7 +137,7 @@ class LargeBlocks final : public c10::Allocator {
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;  // by size, ordered so the largest go first
   std::unordered_map<void*, size_t> sizes_;   // live blocks
-  size_t live_ = 0, cached_ = 0, peak_live_ = 0, hits_ = 0, misses_ = 0, resized_ = 0;
+  size_t live_ = 0, cached_ = 0, peak_live_ = 0, hits_ = 0, misses_ = 0;
 };
 
 LargeBlocks* g_blocks = nullptr;  // never deleted: tensors may outlive everything else
@@ -192,6 +165,6 @@ void empty_cache() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "Make torch's CPU allocator this one (once per process); False if it already was");
-  m.def("stats", &stats, "Live, cached and peak live bytes; cache hits, misses, and misses served by resizing a cached block");
+  m.def("stats", &stats, "Live, cached and peak live bytes; cache hits and misses");
   m.def("empty_cache", &empty_cache, "Unmap every cached block");
 }

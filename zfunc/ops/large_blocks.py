@@ -5,8 +5,7 @@
 process. A freed large block is kept for the next request of its size, and
 the cache never lets the process hold more than its peak of live large
 blocks, so a training step, which asks for the same sizes every step, runs
-almost without page faults after its first (a miss resizes a cached block of
-another size, keeping its pages) and without the heap fragmentation that
+without page faults after its first and without the heap fragmentation that
 glibc's malloc leaves behind per-unit temporaries. ``ZFUNC_CPU_ALLOCATOR=0``
 (or ``ZFUNC_OPS_DISABLE=large_blocks``) keeps torch's allocator.
 """
@@ -45,8 +44,7 @@ def installed() -> bool:
 
 
 def stats() -> dict[str, int]:
-    """``live_bytes``, ``cached_bytes``, ``peak_live_bytes``, ``hits``, ``misses`` and ``resized`` (misses
-    served by resizing a cached block of another size); {} if not installed."""
+    """``live_bytes``, ``cached_bytes``, ``peak_live_bytes``, ``hits``, ``misses`` ({} if not installed)."""
     return dict(load().stats()) if _installed else {}
 
 
