@@ -230,6 +230,7 @@ def main(args):
                                 with open(result) as f:
                                     runs[tool].append(json.load(f))
                             else:
+                                print(f"{tool} run {repeat} failed: exit codes {rcs}", file=sys.stderr)
                                 runs[tool].append(None)
                     for tool, results in runs.items():
                         ok = [r for r in results if r]
