@@ -97,12 +97,6 @@ class _Link:
             self.pending.pop(0).wait()
 
 
-class _Inputs(tuple):
-    """A micro-batch's received activations; ``sent``: their gradients have gone back."""
-
-    sent = False
-
-
 def _input_grads(xs) -> tuple:
     """What ``SendGrad`` sends: each floating input's gradient (zeros where it had none)."""
     return tuple(x.grad if x.grad is not None else torch.zeros_like(x) for x in xs if x.is_floating_point())
@@ -205,6 +199,7 @@ class PipelineEngine:
         state, module = self.state, self.module
         buffers = self.step_fn._buffers(state)
         inputs, outputs, out_grads, labels, losses = {}, {}, {}, {}, {}
+        grads_sent: set[int] = set()  # micro-batches whose input gradients went back inside their backward
         n = len(micro)
         grads = None
         grad_ctx = torch.enable_grad() if train else torch.no_grad()
@@ -224,8 +219,8 @@ class PipelineEngine:
                     if module.last:
                         labels[m] = y
                 elif isinstance(ins, S.RecvActivation):
-                    inputs[m] = _Inputs(t.requires_grad_() if train and t.is_floating_point() else t
-                                        for t in self.fwd_in.recv())
+                    inputs[m] = tuple(t.requires_grad_() if train and t.is_floating_point() else t
+                                      for t in self.fwd_in.recv())
                 elif isinstance(ins, S.Forward):
                     t0 = time.perf_counter()
                     with lazy.resolving(view), tracker.hooks():
@@ -241,7 +236,7 @@ class PipelineEngine:
                     out_grads[m] = self.bwd_in.recv()
                 elif isinstance(ins, S.Backward):
                     sink.last = m == n - 1
-                    early = self._send_grads_early(inputs[m]) if self.bwd is not None else []
+                    early = self._send_grads_early(m, inputs[m], grads_sent) if self.bwd is not None else []
                     t0 = time.perf_counter()
                     with lazy.resolving(tracker):
                         if module.last:
@@ -254,7 +249,7 @@ class PipelineEngine:
                         handle.remove()
                 elif isinstance(ins, S.SendGrad):
                     xs = inputs.pop(m)
-                    if not xs.sent:  # some input got no gradient: zeros for it, sent now
+                    if m not in grads_sent:  # some input got no gradient: zeros for it, sent now
                         self.bwd.send(_input_grads(xs))
                 elif isinstance(ins, (S.ReduceTiedGrads, S.ReduceGrads, S.OptimizerStep)):
                     pass  # after the set-up closes: see _update
@@ -266,7 +261,7 @@ class PipelineEngine:
                 link.finish()
         return [losses[m].detach().float() for m in sorted(losses)], grads
 
-    def _send_grads_early(self, xs: "_Inputs") -> list:
+    def _send_grads_early(self, m: int, xs: tuple, sent: set) -> list:
         """Post a micro-batch's ``SendGrad`` from inside its ``Backward``, the moment autograd has
         accumulated every input's gradient: the previous stage waits on this transfer in 1F1B's
         steady state, and the rest of the backward (the first layer's weight gradients going into
@@ -278,7 +273,7 @@ class PipelineEngine:
             left[0] -= 1
             if left[0] == 0:
                 self.bwd.send(_input_grads(xs))
-                xs.sent = True
+                sent.add(m)
 
         return [x.register_post_accumulate_grad_hook(arrived) for x in waiting]
 
