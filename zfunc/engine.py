@@ -17,21 +17,25 @@ import os
 import resource
 import sys
 import time
-from typing import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Mapping
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
-from . import checkpoint, config as configuration, dist, lr_schedules, optim
+from . import checkpoint, config as configuration, dist, lazy, lr_schedules, optim, swap
 from .config import OffloadParamConfig
-from .accumulate import accumulate
-from .grad import apply
+from .accumulate import GradSink, accumulate
+from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized
+from .materialize import Materialize
 from .loss_scale import LossScaler
 from .offload import offload_cpu
 from .offload_nvme import offload_nvme
 from .precision import mixed_precision
 from .state import gather_params
 from .step import EvalStep, Step, eval_step, train_step
+from .tree import Params
 from .zero import zero1, zero2, zero3
 
 
@@ -53,31 +57,48 @@ class RepeatingLoader:
             return next(self._it)
 
 
-def model_loss(model: nn.Module, loss_fn: Callable | None) -> Callable:
-    """The step's ``loss_fn(params, batch)`` from a model and the user's ``loss_fn(model, batch)``.
+def model_forward(model: nn.Module, loss_fn: Callable | None) -> Callable:
+    """``(params, batch) -> what engine(batch) returns``: the user's ``loss_fn(model, batch)``,
+    or without it the model's output on the batch (``model(**batch)`` for a mapping,
+    ``model(*batch)`` for a tuple or list, ``model(batch)`` otherwise; ``model(*args, **kw)``
+    for inputs given as ``_Inputs``)."""
 
-    Without ``loss_fn`` the model computes its own loss from the batch: ``model(**batch)``
-    for a mapping (Hugging Face models given ``labels``), ``model(*batch)`` for a tuple or
-    list, ``model(batch)`` otherwise; its output is the loss, has ``.loss``, or starts
-    with it. With ``loss_fn``, it gets the model as a function (run on the state's
-    parameters) and the batch: ``loss_fn=lambda model, b: F.cross_entropy(model(b[0]), b[1])``.
-    """
-
-    def loss(params, batch):
+    def run_model(params, batch):
         def run(*args, **kw):
             return apply(model, params, *args, **kw)
 
         if loss_fn is not None:
             return loss_fn(run, batch)
+        if isinstance(batch, _Inputs):
+            return run(*batch.args, **batch.kwargs)
         if isinstance(batch, dict):
-            out = run(**batch)
-        elif isinstance(batch, (tuple, list)):
-            out = run(*batch)
-        else:
-            out = run(batch)
-        return _the_loss(out)
+            return run(**batch)
+        if isinstance(batch, (tuple, list)):
+            return run(*batch)
+        return run(batch)
 
-    return loss
+    return run_model
+
+
+def model_loss(model: nn.Module, loss_fn: Callable | None) -> Callable:
+    """The step's ``loss_fn(params, batch)`` from a model and the user's ``loss_fn(model, batch)``.
+
+    Without ``loss_fn`` the model computes its own loss from the batch (see
+    ``model_forward``): its output is the loss, has ``.loss``, or starts with it. With
+    ``loss_fn``, it gets the model as a function (run on the state's parameters) and the
+    batch: ``loss_fn=lambda model, b: F.cross_entropy(model(b[0]), b[1])``.
+    """
+    run_model = model_forward(model, loss_fn)
+    if loss_fn is not None:
+        return run_model
+    return lambda params, batch: _the_loss(run_model(params, batch))
+
+
+class _Inputs(NamedTuple):
+    """``engine(*args, **kwargs)`` given both positional and keyword inputs: the model's call."""
+
+    args: tuple
+    kwargs: dict
 
 
 def _the_loss(out) -> torch.Tensor:
@@ -205,6 +226,127 @@ def _tokens(batch) -> int:
     return 0
 
 
+class _StepSums(GradSink):
+    """The gradient sums of an imperative step (zfunc.accumulate's ``GradSink``), noting which
+    passes each backward reached (the trackers of the units whose gradients it took)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.reached: set = set()
+
+    def take(self, unit, grad_full: torch.Tensor) -> None:
+        self.reached.add(unit.tracker)
+        super().take(unit, grad_full)
+
+    def take_parts(self, unit, grads) -> None:
+        self.reached.add(unit.tracker)
+        super().take_parts(unit, grads)
+
+
+class _Spent:
+    """The sink of a closed pass: a backward through its output would put gradients nowhere."""
+
+    def takes_parts(self, unit) -> bool:
+        raise RuntimeError(
+            "backward through the output of an engine(batch) whose pass is over: an earlier engine.backward "
+            "went through it, or engine.step() made the update after it. Run engine(batch) again; to "
+            "backward twice through one output, pass retain_graph=True to the first engine.backward")
+
+
+class _Unfinished(Exception):
+    """Closes a pass no backward went through: it did not complete, so its order is not recorded
+    as a trace for the coordinator to prefetch along (zfunc.grad.materialized)."""
+
+
+class _Pass:
+    """One ``engine(batch)`` with gradients on: its units' materialization (zfunc.grad.materialized)
+    stays open, the graph kept, until a backward has gone through it, the update ends the step,
+    or the graph is gone (nothing can backward through it any more)."""
+
+    def __init__(self, context, sums: _StepSums):
+        self.context = context
+        self.view, self.tracker, _ = context.__enter__()
+        self.tracker.sink = sums
+        self.alive = 0  # this pass's Materialize nodes still in some graph
+        self.orphaned = False
+        self.watches: list = []
+
+    def watch(self, out) -> None:
+        """Note when the graph from ``out`` to this pass's units is gone (if ``out``'s tensors
+        can be found: tensors in tuples, lists and mappings)."""
+        for node in _materializations(out, self.tracker):
+            self.alive += 1
+            self.watches.append(weakref.finalize(node, self._gone))
+
+    def _gone(self) -> None:
+        self.alive -= 1
+        self.orphaned = self.alive == 0
+
+    def close(self, error: BaseException | None = None) -> None:
+        for w in self.watches:
+            w.detach()
+        # with an error the set-up ends as if it was raised inside (it is not raised again here)
+        self.context.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
+        self.tracker.sink = _Spent()
+
+
+def _materializations(out, tracker) -> list:
+    """The ``Materialize`` nodes of ``tracker``'s units that ``out``'s graph reaches: they live as
+    long as a graph through that pass does."""
+    todo = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    seen, found = set(), []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node) is Materialize._backward_cls:
+            if node.unit.tracker is tracker:
+                found.append(node)
+            continue
+        todo.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+class _Window:
+    """The imperative style's step in progress: from the first ``engine(batch)`` with gradients
+    on to the ``step()`` that updates."""
+
+    def __init__(self, step: Step, state):
+        self.start = time.perf_counter()
+        self.buffers = step.begin(state)
+        self.io_before = swap.io_counts(state)
+        scaler = step.loss_scaler
+        self.scale = None if scaler is None else float(state.loss_scale.scale)
+        self.sums = _StepSums(grad_spec(state.params.spec))
+        self.passes: list[_Pass] = []  # open: awaiting a backward
+        self.losses: list[torch.Tensor] = []  # one per backward
+        self.unreduced = False  # whole gradients were added since the last reduction
+        self.peak = 0
+        self.prefetch: tuple = ()
+        self.tokens = 0
+
+    def close(self, passes: list[_Pass], error: BaseException | None = None) -> None:
+        for p in passes:
+            self.passes.remove(p)
+            p.close(error)
+            self.peak = max(self.peak, p.tracker.peak)
+            self.prefetch += p.tracker.prefetch
+
+    def close_orphans(self) -> None:
+        self.close([p for p in self.passes if p.orphaned], _Unfinished())
+
+
 class Engine:
     """Owns the model's state and the composed step; see the module docstring."""
 
@@ -219,13 +361,13 @@ class Engine:
         opt, self.schedule = _optimizer(cfg, optimizer, lr_scheduler)
         self.step_fn = compose(cfg, train_step(loss, opt))
         self.eval_fn = compose(cfg, eval_step(loss))
+        self._forward_fn = model_forward(model, loss_fn)
+        self._loss_fn = loss_fn
         self.state = self.step_fn.init(model)
         self.global_steps = 0
         self.global_samples = 0
-        self.micro_steps = 0
-        self._micro: list = []  # the imperative style's micro-batches of the step in progress
-        self._losses: list = []  # and the losses engine(batch) returned for them
-        self._backward_done = 0
+        self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
+        self._window: _Window | None = None  # the imperative style's step in progress
         self._last_print = time.perf_counter()
         self._tokens_since_print = 0
         self.last_metrics: dict = {}
@@ -255,19 +397,21 @@ class Engine:
 
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step on the next ``gradient_accumulation_steps`` micro-batches; the mean loss."""
-        return self._train(self._pull(data_iter))
-
-    def _train(self, micro: list) -> torch.Tensor:
+        self._no_step_in_progress("train_batch")
+        micro = self._pull(data_iter)
         batch = micro if self.gradient_accumulation_steps > 1 else micro[0]
         start = time.perf_counter()
         self.state, metrics = self.step_fn(self.state, batch)
+        self.micro_steps += len(micro)
+        self._stepped(metrics, sum(_tokens(b) for b in micro) * self.world, time.perf_counter() - start)
+        return metrics["loss"]
+
+    def _stepped(self, metrics: dict, tokens: int, seconds: float) -> None:
         self.last_metrics = metrics
         self.global_steps += 1
-        self.micro_steps += len(micro)
         self.global_samples += self.config.train_batch_size
-        self._tokens_since_print += sum(_tokens(b) for b in micro) * self.world
-        self._report(metrics, time.perf_counter() - start)
-        return metrics["loss"]
+        self._tokens_since_print += tokens
+        self._report(metrics, seconds)
 
     def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
         """The mean loss over the next ``gradient_accumulation_steps`` micro-batches; no update."""
@@ -276,38 +420,125 @@ class Engine:
 
     # ------------------------------------------------------- the imperative style
 
-    def __call__(self, batch) -> torch.Tensor:
-        """The loss on ``batch`` (a micro-batch), kept for the next ``step()``.
+    def __call__(self, *inputs, **kwargs):
+        """What the model returns on the inputs (the loss of ``loss_fn`` if ``initialize`` was given
+        one), as DeepSpeed's ``engine(batch)``.
 
-        The loss is what ``train_batch`` reports for this micro-batch; computing it here costs
-        one forward more than ``train_batch``, whose step runs forward and backward together.
+        With gradients on, the output is differentiable: the units' materialization stays open
+        and the graph kept until ``backward`` goes through it (or the output is dropped, or
+        ``step()`` makes the update). Under ``torch.no_grad()`` it is an evaluation: nothing is kept.
+        ``engine(batch)`` takes a batch as ``train_batch``'s micro-batches are taken (a mapping is
+        the model's keyword arguments, a tuple its positional ones); ``engine(x, y, key=v)`` calls
+        the model so.
         """
-        loss = self.eval_fn(self.state, batch)["loss"]
-        self._micro.append(batch)
-        self._losses.append(loss)
-        return loss
+        batch = self._batch(inputs, kwargs)
+        if self._window is not None:
+            self._window.close_orphans()
+        if not torch.is_grad_enabled():  # buffers (running statistics) are updated as the model's would be
+            buffers = self.state.buffers if self._window is None else self._window.buffers
+            self.eval_fn.coordinator().begin_step()
+            with self.eval_fn.continuing(), materialized(self.state.params, self.state.frozen, buffers,
+                                                         differentiable=False) as (view, tracker, _):
+                return run_forward(self._forward_fn, view, tracker, batch)
+        if self._window is None:
+            self._window = _Window(self.step_fn, self.state)
+        window = self._window
+        with self.step_fn.continuing():
+            p = _Pass(materialized(self.state.params, self.state.frozen, window.buffers, differentiable=True),
+                      window.sums)
+            window.passes.append(p)
+            try:
+                out = run_forward(self._forward_fn, p.view, p.tracker, batch)
+            except BaseException as e:
+                window.close([p], e)
+                raise
+        p.watch(out)
+        window.tokens += _tokens(batch) * self.world
+        return out
 
-    def forward(self, batch) -> torch.Tensor:
-        return self(batch)
+    forward = __call__
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Marks the micro-batch of ``loss`` for the step; its gradients are taken in ``step()``."""
-        if not self._losses or loss is not self._losses[-1]:
-            raise ValueError("engine.backward takes the loss the last engine(batch) returned")
-        self._backward_done = len(self._losses)
+    def _batch(self, inputs: tuple, kwargs: dict):
+        if self._loss_fn is not None and (len(inputs) != 1 or kwargs):
+            raise TypeError("with loss_fn, engine(batch) takes one batch (what loss_fn(model, batch) gets), got "
+                            f"{len(inputs)} positional and {len(kwargs)} keyword inputs")
+        if not kwargs:
+            if not inputs:
+                raise TypeError("engine() needs the model's inputs: engine(batch)")
+            return inputs[0] if len(inputs) == 1 else inputs
+        return kwargs if not inputs else _Inputs(inputs, kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Differentiate ``loss`` (a scalar built from what ``engine(batch)`` returned), as DeepSpeed's
+        ``engine.backward``: its gradients are added to the step's, scaled by
+        ``1/gradient_accumulation_steps`` (and fp16's loss scale, unscaled in the update), until the
+        ``step()`` at the accumulation boundary. Returns ``loss / gradient_accumulation_steps``.
+        """
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise TypeError(f"engine.backward takes a scalar loss tensor, got {type(loss).__name__}"
+                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        window = self._window
+        if window is not None:
+            window.close_orphans()
+        if window is None or not window.passes or not loss.requires_grad:
+            raise ValueError(
+                "engine.backward(loss): the loss must be built from what engine(batch) returned with gradients on "
+                "(not under torch.no_grad()), since the last backward through it or the last update")
+        sums = window.sums
+        sums.last = self.is_gradient_accumulation_boundary()  # whole gradients are reduced now
+        sums.reached = set()
+        try:
+            with self.step_fn.continuing(), lazy.resolving(window.passes[-1].tracker):
+                torch.autograd.backward(loss if window.scale is None else loss * window.scale,
+                                        retain_graph=retain_graph)
+                if not retain_graph:  # their gradients are all in: their gathered buffers go
+                    window.close([p for p in window.passes if p.tracker in sums.reached])
+        except BaseException as e:  # the step's sums are incomplete: it is abandoned
+            self._window = None
+            window.close(list(window.passes), e)
+            raise
+        sums.reached = set()
+        window.unreduced = not sums.last
+        window.losses.append(loss.detach().reshape(()))
+        return loss.detach() / self.gradient_accumulation_steps
 
     def step(self) -> None:
-        """Makes the optimizer step once ``gradient_accumulation_steps`` micro-batches have been
-        through ``engine(batch)`` and ``backward``; before that it does nothing (as DeepSpeed's)."""
-        if self._backward_done != len(self._micro):
-            raise ValueError("engine.step() before engine.backward(loss) of the last micro-batch")
-        if len(self._micro) < self.gradient_accumulation_steps:
+        """The update, at a gradient accumulation boundary (every ``gradient_accumulation_steps``-th
+        call, as DeepSpeed's ``step``), on the gradients of every ``backward`` since the last one;
+        otherwise only the micro-step is counted."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
             return
-        micro, self._micro, self._losses, self._backward_done = self._micro, [], [], 0
-        self._train(micro)
+        window, self._window = self._window, None
+        if window is not None:
+            window.close(list(window.passes), _Unfinished())  # forwards no backward went through
+        if window is None or not window.losses:
+            raise ValueError("engine.step() at a gradient accumulation boundary, but no engine.backward(loss) since "
+                             "the last update: run loss = engine(batch); engine.backward(loss) first")
+        grads = window.sums.grads()
+        if window.unreduced:  # no backward since the boundary came: reduce whole gradients now
+            _reduce_whole(grads, self.step_fn.group)
+        out = GradOut(torch.stack(window.losses).mean(), None, grads, window.peak,
+                      (1.0 if window.scale is None else 1.0 / window.scale) / self.gradient_accumulation_steps,
+                      window.prefetch)
+        self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.buffers, window.io_before)
+        self.micro_steps += 1
+        self._stepped(metrics, window.tokens, time.perf_counter() - window.start)
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return len(self._micro) + 1 >= self.gradient_accumulation_steps
+        """Whether the next ``step()`` makes the update (DeepSpeed's rule, on its count of steps)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def _no_step_in_progress(self, what: str) -> None:
+        """Forwards no backward went through are dropped; a step with gradients must end first."""
+        window = self._window
+        if window is None:
+            return
+        if window.losses:
+            raise ValueError(f"{what} in the middle of an imperative step (engine.backward since the last "
+                             "update): call engine.step() at the accumulation boundary first")
+        self._window = None
+        window.close(list(window.passes), _Unfinished())
 
     # ------------------------------------------------------------------ reading
 
@@ -369,8 +600,7 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         """Load a checkpoint saved at any world size; returns ``(its folder, client_state)``."""
-        if self._micro:
-            raise ValueError("load_checkpoint in the middle of a step (engine(batch) without step()): finish it first")
+        self._no_step_in_progress("load_checkpoint")
         folder = checkpoint.resolve(load_dir, tag)
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
         counters = manifest.get("engine", {})
@@ -381,7 +611,22 @@ class Engine:
 
     def close(self) -> None:
         """Remove the state's swap files (offload to NVMe)."""
+        if self._window is not None:
+            self._window, window = None, self._window
+            window.close(list(window.passes), _Unfinished())
         self.state.close()
+
+
+def _reduce_whole(grads: Params, group) -> None:
+    """Average the gradients that go home whole (stage 0, zero1) over ``group``: the sums the
+    accumulator reduces in the boundary's backward (zfunc.accumulate), when none came."""
+    for g, sharded in zip(grads.leaves, grads.spec.sharded):
+        if g is None or sharded:
+            continue
+        if swap.on_disk(g):
+            raise ValueError("engine.step() at the accumulation boundary with no engine.backward since the last "
+                             "step(): with gradients on NVMe, run the boundary micro-batch's backward")
+        dist.all_reduce_mean(g, group)
 
 
 def initialize(model: nn.Module, config, *, loss_fn: Callable | None = None, optimizer=None,

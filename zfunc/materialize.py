@@ -232,15 +232,18 @@ class Tracker:
             self._give_back(unit, buf)
 
     def pack(self, t: torch.Tensor):
+        # a tensor saved as it is (not detached) holds its own node when the node saved its output:
+        # a cycle through autograd that the garbage collector cannot see, so a graph never
+        # differentiated (the engine's forward whose output is dropped) would never be freed
         if not self.live or t.layout != torch.strided:
-            return t
+            return t.detach()
         try:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
-            return t
+            return t.detach()
         unit = self.live.get(ptr)
         if unit is None:
-            return t
+            return t.detach()
         # the offset within the unit's buffer: a re-materialized one may start elsewhere in its
         # storage (a swap pool buffer is aligned inside a larger allocation)
         return _SavedView(unit, t.size(), t.stride(), t.storage_offset() - self.starts[unit])

@@ -35,7 +35,7 @@ from torch import nn
 
 from . import coordinator as coordination, dist, layout, lazy, swap
 from .buffers import trim as trim_heap, use_large_blocks
-from .grad import forward, materialized, value_and_grad_with_stats
+from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .optim import GradInfo, apply_update
 from .placement import NVME, Placement
@@ -252,8 +252,45 @@ class Step:
         with self._coordinated() as coordinator:
             out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
             agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
+        return self._finish(state, out, agreed, buffers, coordinator, io_before)
+
+    # ------------------------------------------------------- a step in parts
+
+    def begin(self, state: State) -> dict:
+        """Start a step whose gradient part the caller runs over several calls (the engine's
+        imperative forward and backward, zfunc.engine): the coordinator's passes from here on are
+        this step's. Returns the fresh buffers its forwards use; ``apply_gradients`` ends it."""
+        self._check(state)
+        self.coordinator().begin_step()
+        return self._buffers(state)
+
+    @contextlib.contextmanager
+    def continuing(self):
+        """Run a part of the step ``begin`` started: materializations follow the coordinator and
+        collectives time out, a timeout naming where the ranks' orders differ (as in ``__call__``)."""
+        coordinator = self.coordinator()
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
+            try:
+                yield coordinator
+            except dist.CollectiveTimeout as e:
+                coordinator.diverged(self.group, cause=e)
+
+    def apply_gradients(self, state: State, out: GradOut, buffers: dict, io_before=None) -> tuple[State, dict]:
+        """End the step ``begin`` started with the gradients the caller took (``out``, in their home
+        form; ``out.grad_scale`` makes them true): the one agreement all-reduce, then the update,
+        as ``__call__`` does after its gradient part. ``io_before``: ``swap.io_counts`` at ``begin``."""
+        self._check(state)
+        with self.continuing() as coordinator:
+            agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
+        return self._finish(state, out, agreed, buffers, coordinator, io_before)
+
+    def _finish(self, state: State, out: GradOut, agreed: "_Agreed", buffers: dict, coordinator,
+                io_before) -> tuple[State, dict]:
+        """Everything after the agreement: metrics, the loss scale, a skipped or applied update."""
         if not agreed.same_order:
             coordinator.diverged(self.group)
+        scaler = self.loss_scaler
+        scale = None if scaler is None else float(state.loss_scale.scale)
         loss, aux, grads, grad_scale = out.loss, out.aux, out.grads, out.grad_scale
         metrics = {"loss": agreed.loss, "grad_bytes": grads.nbytes(), "peak_materialized_bytes": out.peak,
                    "skipped": False, "grad_norm": math.sqrt(agreed.sq_norm) * grad_scale,
