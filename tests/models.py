@@ -251,3 +251,92 @@ def local(b, rank: int, world: int):
     """This rank's slice of a global batch."""
     n = b[0].shape[0] // world
     return tuple(t[rank * n : (rank + 1) * n] for t in b)
+
+
+# ---------------------------------------------------------------------------
+# Every kind of leaf in every unit position (offload_nvme's frozen shards, tests/test_nvme_leaf_kinds.py).
+
+LEAF_KINDS = ("tied", "frozen", "scalar", "buffer")
+
+
+class LeafPart(nn.Module):
+    """``d -> d``: a linear map and the leaves in ``kinds``: ``tied`` (a second map sharing its
+    weight), ``frozen`` (a table without gradient), ``scalar`` (a one-element parameter),
+    ``buffer`` (a float buffer); ``all_frozen``: the linear map frozen too (no trainable leaf)."""
+
+    def __init__(self, d: int, kinds=(), all_frozen: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.lin.requires_grad_(not all_frozen)
+        self.twin = None
+        if "tied" in kinds:
+            self.twin = nn.Linear(d, d, bias=False)
+            self.twin.weight = self.lin.weight
+        if "frozen" in kinds:
+            self.table = nn.Parameter(torch.randn(d) * 0.3, requires_grad=False)
+        if "scalar" in kinds:
+            self.s = nn.Parameter(torch.tensor([0.9]))
+        if "buffer" in kinds:
+            self.register_buffer("shift", torch.linspace(-0.5, 0.5, d))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.twin is not None:
+            h = h + 0.5 * self.twin(torch.tanh(x))
+        if hasattr(self, "table"):
+            h = h * (1 + self.table)
+        if hasattr(self, "s"):
+            h = h * self.s
+        if hasattr(self, "shift"):
+            h = h + self.shift
+        return x + torch.tanh(h)
+
+
+class Nest(nn.Module):
+    """A ModuleList child holding a ModuleList of its own: a unit nested inside another."""
+
+    def __init__(self, d: int, kinds=(), all_frozen: bool = False):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.inner = nn.ModuleList([LeafPart(d, kinds, all_frozen)])
+
+    def forward(self, x):
+        return self.inner[0](self.norm(x))
+
+
+class LeafKindsLM(nn.Module):
+    """A small transformer LM whose units hold the leaf kinds asked for, in each position.
+
+    The root: the token embedding (tied to the head with ``tied``), a positional table
+    (frozen with ``frozen``), a one-element gain (``scalar``), a float buffer added to the
+    embeddings (``buffer``). The ModuleList ``blocks``: a transformer ``Block``, the
+    one-element unit ``Scale``, a ``LeafPart`` with the ``child`` kinds and a ``Nest`` whose
+    own ModuleList holds a ``LeafPart`` with the ``nested`` kinds. ``all_frozen``: positions
+    (``"child"``, ``"nested"``) whose part has no trainable leaf at all.
+    """
+
+    def __init__(self, root=LEAF_KINDS, child=LEAF_KINDS, nested=LEAF_KINDS, all_frozen=(), vocab: int = 11,
+                 d: int = 8, seq: int = 5):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.1, requires_grad="frozen" not in root)
+        if "scalar" in root:
+            self.gain = nn.Parameter(torch.tensor([1.2]))
+        if "buffer" in root:
+            self.register_buffer("offset", torch.linspace(-0.2, 0.2, d))
+        self.blocks = nn.ModuleList([Block(d), Scale(), LeafPart(d, child, "child" in all_frozen),
+                                     Nest(d, nested, "nested" in all_frozen)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if "tied" in root:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        if hasattr(self, "gain"):
+            x = x * self.gain
+        if hasattr(self, "offset"):
+            x = x + self.offset
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))

@@ -426,29 +426,32 @@ class OffloadNvme(Transform):
         w, r = dist.world_size(group), dist.rank(group)
         accumulates = step._transform("accumulate") is not None
         per_elem = _optimizer_bytes_per_element(step._update_part(below=self))
-        sizes, need, largest = [], 0, 0
+        sizes, need = [], 0
+        on_disk = []  # (elements, bytes, unit name) of each parameter file read into the pool
         for i, (unit, place) in enumerate(zip(spec.units, places)):
             padded = unit.trainable.padded
             n = layout.shard_numel(padded, w) if place.params_sharded else padded
             n_opt = layout.shard_numel(padded, w) if place.opt_sharded or place.params_sharded else padded
             n_grad = layout.shard_numel(padded, w) if grad_is_shard(place, place.params_sharded) else padded
             item = _itemsize(place.param_dtype or unit.trainable.dtype)
-            if self.params and n:
+            if self.params:  # frozen parameters are read into the pool too: the largest file sizes its buffers
+                n_frozen = layout.shard_numel(unit.frozen.padded, w) if place.params_sharded else unit.frozen.padded
+                frozen_item = _itemsize(place.frozen_dtype or unit.frozen.dtype)
                 need += n * (item + _itemsize(unit.trainable.dtype))  # the file, and its staging copy at init
-                largest = max(largest, n)
+                need += n_frozen * frozen_item
+                on_disk += [(n, n * item, unit.name), (n_frozen, n_frozen * frozen_item, unit.name)]
             need += n_grad * (4 if accumulates else item)  # accumulate sums in fp32
             if self.optimizer:
                 need += n_opt * per_elem
             shard_start = r * layout.shard_numel(padded, w) if padded else 0
             sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
                           shard_start if n_grad != padded else 0))
+        largest, _, name = max(on_disk, default=(0, 0, ""))
         if largest > self.buffer_size:
-            name = next(u.name or "<root>" for u, (n, *_) in zip(spec.units, sizes) if n == largest)
-            raise ValueError(f"offload_nvme: unit {name!r} holds {largest} elements on this rank, more than "
-                             f"buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
-        max_item = max((s[2] for s in sizes), default=4)
+            raise ValueError(f"offload_nvme: unit {name or '<root>'!r} holds {largest} elements on this rank, more "
+                             f"than buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
-                               buffer_bytes=largest * max_item)
+                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0))
         store.reserve(need)
         store.to_disk_opt = self.optimizer
         store.offsets = [s[3] for s in sizes]

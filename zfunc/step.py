@@ -183,22 +183,26 @@ class Step:
         places = tuple(self.placement(u) for u in spec.units)
         device = dist.device_of(group) if device is None else torch.device(device)
         offload = self._transform("offload")
-        # offload_nvme: the state's swap folder; each unit's shard is staged to disk as it is made
+        # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made
         store = offload.open_store(self, spec, places, group) if hasattr(offload, "open_store") else None
         trainable, frozen = [], []
         for i, *flats in unit_buffers(model, spec, device, init_fn):
             for flat, out in zip(flats, (trainable, frozen)):
                 dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
                 leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
-                if out is trainable and store is not None and places[i].param_home == NVME and leaf.numel():
+                if store is not None and places[i].param_home == NVME and leaf.numel():
                     start = r * leaf.numel() if places[i].params_sharded else 0
-                    leaf = store.stage(i, spec.units[i].name, leaf, places[i].param_dtype or leaf.dtype, start)
+                    if out is trainable:  # the optimizer's init reads these values back once
+                        leaf = store.stage(i, spec.units[i].name, leaf, places[i].param_dtype or leaf.dtype, start)
+                    else:  # frozen: written once, in the dtype they are stored in
+                        stored = leaf.to(places[i].frozen_dtype or leaf.dtype)
+                        leaf = store.put(i, spec.units[i].name, "frozen", stored, start)
                 out.append(leaf)
         sharded = tuple(p.params_sharded for p in places)
         key = dist.group_key(group)
         swap_key = None if store is None else store.key
         params = Params(ParamsSpec(spec, places, sharded, False, key, swap_key), trainable)
-        frozen_params = Params(ParamsSpec(spec, places, sharded, True, key), frozen)
+        frozen_params = Params(ParamsSpec(spec, places, sharded, True, key, swap_key), frozen)
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         for b in buffers.values():
             dist.broadcast(b, 0, group)

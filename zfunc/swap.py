@@ -418,6 +418,14 @@ class SwapStore:
 
     # --------------------------------------------------------------- init staging
 
+    def put(self, unit: int, unit_name: str, kind: str, values: torch.Tensor, offset: int) -> torch.Tensor:
+        """At init: a new swap file holding ``values`` (a unit's frozen shard, already in its stored
+        dtype; nothing reads it before the first step, so it needs no staging); its placeholder."""
+        placeholder = self.create(unit, unit_name, kind, values.numel(), values.dtype, offset)
+        self.write_now(values, placeholder)
+        buffers.trim()  # as for stage: the last unit's init temporaries go back to the OS
+        return placeholder
+
     def stage(self, unit: int, unit_name: str, values: torch.Tensor, dtype: torch.dtype, offset: int) -> torch.Tensor:
         """At init: write a unit's parameter shard (model dtype) to a staging file and return the
         placeholder of its swap file in the stored ``dtype``; ``take_staged`` reads it back once."""

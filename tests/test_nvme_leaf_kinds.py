@@ -1,0 +1,222 @@
+"""zf.offload_nvme with every kind of leaf (tied, frozen, one-element, buffer, a unit under the
+persistence threshold, a unit with no trainable leaf) in every unit position (the root, a
+ModuleList child, a unit nested in a child), under every offload setting, W = 1, 2, 3: equal to
+plain PyTorch AdamW; frozen parameters live in swap files like the trainable ones (ZeRO-Infinity
+offloads every parameter), so eval steps, checkpoints and the engine read them from there, and
+``state.close()`` removes them with the rest."""
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import zfunc as zf
+from cases import micro_batches
+from models import LEAF_KINDS, LeafKindsLM
+from test_zero_equivalence import assert_close_to
+from workers import workers
+
+SWAP = tempfile.mkdtemp(prefix="zfunc-nvme-leaf-kinds-")
+LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+def _build(model_kw: dict, seed: int = 0) -> LeafKindsLM:
+    torch.manual_seed(seed)
+    return LeafKindsLM(**model_kw)
+
+
+def _batch(model: LeafKindsLM, step: int, size: int):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, model.tok.num_embeddings, (size, model.pos.shape[0] + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def reference(model_kw: dict, steps: int, batch_size: int) -> dict:
+    """Plain PyTorch: torch.optim.AdamW on the global batch; the loss of each step, then an eval loss."""
+    model = _build(model_kw)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for i in range(steps):
+        x, y = _batch(model, i, batch_size)
+        opt.zero_grad()
+        value = _loss(model(x), y)
+        value.backward()
+        opt.step()
+        losses.append(value.item())
+    with torch.no_grad():
+        eval_loss = _loss(model(_batch(model, steps, batch_size)[0]), _batch(model, steps, batch_size)[1]).item()
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses,
+            "eval_loss": eval_loss}
+
+
+def _compose(base, stage: int, offload: dict, threshold: int, micro: int | None, under: bool):
+    """``zeroN([accumulate](offload_nvme([accumulate](base))))``: accumulate inside offload_nvme,
+    or outside it with ``under``."""
+    step = zf.accumulate(base, micro) if micro and not under else base
+    step = zf.offload_nvme(step, SWAP, buffer_size=10**6, **offload)
+    step = zf.accumulate(step, micro) if micro and under else step
+    if stage == 3:
+        return zf.zero3(step, persistence_threshold=threshold)
+    return {0: lambda s: s, 1: zf.zero1, 2: zf.zero2}[stage](step)
+
+
+def _files(store) -> list[str]:
+    return sorted(os.listdir(store.dir))
+
+
+def leaf_run(model_kw: dict, stage: int, offload: dict, threshold: int, micro: int | None, under: bool,
+             steps: int = 2, per_rank: int = 2) -> dict:
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = _build(model_kw)
+    shape = copy.deepcopy(model)
+
+    def loss_fn(params, b):
+        return _loss(zf.apply(model, params, b[0]), b[1])
+
+    step = _compose(zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=WEIGHT_DECAY)), stage, offload,
+                    threshold, micro, under)
+    evaluate = _compose(zf.eval_step(loss_fn), stage, offload, threshold, micro, under)
+    state = step.init(model)
+    store = zf.swap.open_store(state)
+    files, losses = _files(store), []
+    for i in range(steps):
+        x, y = _batch(shape, i, per_rank * world)
+        b = (x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+        state, metrics = step(state, micro_batches(b, micro) if micro else b)
+        losses.append(metrics["loss"].item())
+    x, y = _batch(shape, steps, per_rank * world)
+    b = (x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
+    eval_loss = evaluate(state, micro_batches(b, micro) if micro else b)["loss"].item()
+    out = {"params": zf.gather_params(state), "losses": losses, "eval_loss": eval_loss, "files": files,
+           "frozen_on_disk": [zf.swap.on_disk(t) for t in state.frozen.leaves],
+           "homes": [p.param_home for p in state.frozen.spec.placements],
+           "frozen_numel": [t.numel() for t in state.frozen.leaves]}
+    state.close()
+    out["left"] = os.path.exists(store.dir)
+    return out
+
+
+kinds = st.lists(st.sampled_from(LEAF_KINDS), unique=True).map(tuple)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(root=kinds, child=kinds, nested=kinds, all_frozen=st.lists(st.sampled_from(["child", "nested"]), unique=True),
+       world=st.sampled_from([1, 2, 3]), stage=st.sampled_from([0, 1, 2, 3]), params=st.booleans(),
+       optimizer=st.booleans(), micro=st.sampled_from([None, 2]), under=st.booleans(),
+       threshold=st.sampled_from([0, 100]))
+@example(root=("tied", "frozen", "buffer"), child=(), nested=(), all_frozen=[], world=2, stage=3, params=True,
+         optimizer=True, micro=None, under=False, threshold=0)
+@example(root=LEAF_KINDS, child=LEAF_KINDS, nested=LEAF_KINDS, all_frozen=["nested"], world=3, stage=3,
+         params=True, optimizer=False, micro=2, under=True, threshold=100)
+def test_every_leaf_kind_in_every_position_equals_plain_pytorch(root, child, nested, all_frozen, world, stage,
+                                                                  params, optimizer, micro, under, threshold):
+    if params and stage in (1, 2):
+        stage = 3  # zero1/2 keep the full parameters on every rank: parameters on NVMe need zero3 (or no stage)
+    model_kw = {"root": root, "child": child, "nested": nested, "all_frozen": tuple(all_frozen)}
+    expected = reference(model_kw, steps=2, batch_size=2 * world)
+    offload = {"params": params, "optimizer": optimizer, "sub_group_size": 150}
+    for r in workers(world).run(leaf_run, model_kw, stage, offload, threshold, micro, under):
+        assert_close_to(r["params"], expected["params"])
+        assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert r["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
+        # frozen parameters live where their unit's placement says: in swap files with params=True
+        # (units under the persistence threshold stay in memory)
+        homes = [(disk, home) for disk, home, n in zip(r["frozen_on_disk"], r["homes"], r["frozen_numel"]) if n]
+        assert all(disk == (home == "nvme") for disk, home in homes)
+        assert (params and any(home == "nvme" for _, home in homes)) == any(".frozen." in f for f in r["files"])
+        assert not r["left"]  # state.close() removed every swap file
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_run(directory: str, save: bool) -> dict:
+    """zero3(offload_nvme(f)) on the model with every leaf kind (global batch 6): one step then save,
+    or load into a fresh state (any world size) and step on; frozen values go through swap files."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = _build({})
+    shape = copy.deepcopy(model)
+    n = 6 // world
+
+    def loss_fn(params, b):
+        return _loss(zf.apply(model, params, b[0]), b[1])
+
+    def local(i):
+        x, y = _batch(shape, i, 6)
+        return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+    step = _compose(zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=WEIGHT_DECAY)), 3, {}, 0, None, False)
+    with step.init(model) as state:
+        if save:
+            state, _ = step(state, local(0))
+            zf.checkpoint.save(state, directory, "t")
+            return {"params": zf.gather_params(state)}
+        state, _ = zf.checkpoint.load(state, directory, "t")
+        loaded = zf.gather_params(state)
+        state, metrics = step(state, local(1))
+        return {"loaded": loaded, "params": zf.gather_params(state), "loss": metrics["loss"].item(),
+                "frozen_on_disk": any(zf.swap.on_disk(t) for t in state.frozen.leaves)}
+
+
+def test_checkpoints_save_and_load_frozen_parameters_in_swap_files(tmp_path):
+    """Saved at W = 2, consolidated (frozen values as built), loaded at W = 3 and W = 1: one step
+    more equals two steps of plain PyTorch."""
+    saved = workers(2).run(checkpoint_run, str(tmp_path), True)[0]["params"]
+    model = _build({})
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen
+    consolidated = zf.checkpoint.consolidate(str(tmp_path), "t")
+    for n, value in frozen.items():
+        assert torch.equal(consolidated[n], value)
+    expected = reference({}, steps=2, batch_size=6)
+    for world in (3, 1):
+        for r in workers(world).run(checkpoint_run, str(tmp_path), False):
+            assert r["frozen_on_disk"]
+            zf.testing.assert_trees_all_equal(r["loaded"], saved)
+            assert_close_to(r["params"], expected["params"])
+            assert r["loss"] == pytest.approx(expected["losses"][1], rel=1e-5)
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def engine_run(offload_optimizer: str, gas: int) -> dict:
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = _build({})
+    shape = copy.deepcopy(model)
+    config = {"train_batch_size": 2 * world, "gradient_accumulation_steps": gas, "gradient_clipping": 0,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_param": {"device": "nvme", "nvme_path": SWAP},
+                                    "offload_optimizer": {"device": offload_optimizer, "nvme_path": SWAP}}}
+    engine = zf.initialize(model, config, loss_fn=lambda run, b: _loss(run(b[0]), b[1]))
+    losses = []
+    for i in range(2):
+        x, y = _batch(shape, i, 2 * world)
+        b = (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        losses.append(float(engine.train_batch(iter(micro_batches(b, gas)))))
+    x, y = _batch(shape, 2, 2 * world)
+    b = (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+    eval_loss = float(engine.eval_batch(iter(micro_batches(b, gas))))
+    out = {"params": zf.gather_params(engine.state), "losses": losses, "eval_loss": eval_loss,
+           "frozen_on_disk": any(zf.swap.on_disk(t) for t in engine.state.frozen.leaves)}
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("offload_optimizer,gas", [("nvme", 1), ("none", 2)])
+def test_engine_with_offload_param_nvme_trains_frozen_models(offload_optimizer, gas):
+    expected = reference({}, steps=2, batch_size=4)
+    for r in workers(2).run(engine_run, offload_optimizer, gas):
+        assert r["frozen_on_disk"]
+        assert_close_to(r["params"], expected["params"])
+        assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert r["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
