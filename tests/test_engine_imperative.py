@@ -165,7 +165,8 @@ def by_train_batch(name: str, config: dict, steps: int) -> dict:
 def test_mixed_precision_takes_the_same_steps_as_train_batch(precision, stage, world, offload):
     """bf16 and fp16 (the loss scale applied in backward, unscaled in the update): the same
     micro-batches give the same steps, bit for bit, as train_batch, which equals the step by hand."""
-    extra = {"bf16": {"enabled": True}} if precision == "bf16" else {"fp16": {"enabled": True, "initial_scale_power": 12}}
+    extra = ({"bf16": {"enabled": True}} if precision == "bf16"
+             else {"fp16": {"enabled": True, "initial_scale_power": 12}})
     config = _config(stage, 2, 0.5, offload, **extra)
     for a, b in zip(workers(world).run(by_train_batch, "gpt", config, 3),
                     workers(world).run(imperative, "gpt", config, "deepspeed", 3, True)):
