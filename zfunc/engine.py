@@ -6,10 +6,16 @@ transforms a user would write by hand::
     zeroN(offload_*(mixed_precision(accumulate(train_step(loss, chain(clip, optimizer)), gas))))
 
 and keeps the state. ``train_batch(data_iter)`` pulls the gradient accumulation
-steps' micro-batches and makes one step; the imperative style of ported
-DeepSpeed scripts (``loss = engine(batch); engine.backward(loss); engine.step()``)
-gives the same steps. Checkpoints are zfunc.checkpoint's, with the engine's
-counters, the config and the model's ``state_dict`` keys in the manifest.
+steps' micro-batches and makes one step. The imperative style of ported
+DeepSpeed scripts (``out = engine(batch); engine.backward(loss); engine.step()``)
+runs the same parts with DeepSpeed's semantics: ``engine(batch)`` is the forward
+(each one a materialization kept open, with its graph, until a backward goes
+through it: zfunc.grad.materialized), ``backward`` sends each unit's gradient into
+the step's sums (an ``accumulate`` ``GradSink``), and the ``step()`` at the
+accumulation boundary makes the update (``Step.apply_gradients``); on the same
+micro-batches it takes the same steps as ``train_batch``. Checkpoints are
+zfunc.checkpoint's, with the engine's counters, the config and the model's
+``state_dict`` keys in the manifest.
 """
 from __future__ import annotations
 
