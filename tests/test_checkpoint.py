@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import zfunc as zf
+from zfunc import checkpoint_folders
 from cases import _setup, compose, reference
 from models import batch, build, local
 from test_zero_equivalence import assert_close_to
@@ -102,7 +103,7 @@ def test_a_checkpoint_of_another_model_says_what_differs(tmp_path):
 KILLED_SAVE = textwrap.dedent("""
     import os, signal, sys, torch
     import zfunc as zf
-    from zfunc import checkpoint
+    from zfunc import checkpoint, checkpoint_io
     sys.path.insert(0, {tests!r})
     from models import build
     model = build("gpt")
@@ -112,29 +113,117 @@ KILLED_SAVE = textwrap.dedent("""
     state, _ = step(state, x)
     checkpoint.save(state, {directory!r}, "first")
     state, _ = step(state, x)
-    written = []
-    def die_midway(io, data, path, offset):  # the second save dies after its first tensor
-        io.pwrite(data, path, offset)
-        io.wait()
-        written.append(1)
-        if len(written) == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint._write_chunk = die_midway
-    checkpoint.save(state, {directory!r}, "second")
+    where, k = {kill!r}
+    calls = []
+    def killed(original):
+        def call(*args, **kw):
+            calls.append(1)
+            if len(calls) == k:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kw)
+        return call
+    if where == "write":  # the second save dies after its first tensor
+        def die_midway(io, data, path, offset):
+            io.pwrite(data, path, offset)
+            io.wait()
+            killed(lambda: None)()
+        checkpoint_io._write_chunk = die_midway
+    else:  # the second save dies just before its k-th rename (files, the folder, latest, the old folder)
+        os.replace, os.rename = killed(os.replace), killed(os.rename)
+    checkpoint.save(state, {directory!r}, {tag!r})
 """)
 
 
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_latest(tmp_path):
-    directory = str(tmp_path / "ckpt")
-    script = KILLED_SAVE.format(tests=os.path.dirname(__file__), directory=directory)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    assert (tmp_path / "ckpt" / "latest").read_text() == "first"
-    assert not (tmp_path / "ckpt" / "second").exists()
+def _gpt_zero3():
+    """The step of KILLED_SAVE, and a function that makes it a fresh state."""
     model = build("gpt")
     step = zf.zero3(zf.train_step(lambda p, b: zf.apply(model, p, b).float().pow(2).mean(), zf.optim.adamw(1e-3)))
-    state, manifest = zf.checkpoint.load(step.init(model), directory)
-    assert manifest["count"] == 1 and int(state.count) == 1
+    return lambda: step.init(model, free_model=False), step
+
+
+@pytest.mark.parametrize("tag,kill", [("second", ("write", 2)), ("first", ("rename", 3)),
+                                      ("first", ("rename", 4)), ("first", ("rename", 5))])
+def test_a_save_killed_midway_leaves_a_checkpoint_that_loads(tag, kill, tmp_path):
+    """SIGKILL in a save (a new tag, or the tag of the previous save): ``latest`` and the tag still load,
+    the previous checkpoint or the new one."""
+    directory = str(tmp_path / "ckpt")
+    script = KILLED_SAVE.format(tests=os.path.dirname(__file__), directory=directory, kill=kill, tag=tag)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    fresh, step = _gpt_zero3()
+    for which in (None, tag):
+        try:
+            state, manifest = zf.checkpoint.load(fresh(), directory, which)
+        except FileNotFoundError:
+            assert which == "second" and "rename" not in kill  # a new tag killed before it was published
+            continue
+        assert manifest["count"] in (1, 2) and int(state.count) == manifest["count"]
+        if which is None and kill[0] == "write":
+            assert manifest["count"] == 1  # killed before anything was published: the previous one
+    zf.checkpoint.save(state, directory, tag)  # the next save cleans up what the killed one left
+    _assert_tidy(directory, {"first", tag})
+
+
+def _assert_tidy(directory: str, tags: set) -> None:
+    """One folder per tag, ``latest``, and nothing a killed save left (staging, trash)."""
+    entries = os.listdir(directory)
+    assert not [e for e in entries if e.startswith(".") or ".tmp-" in e], entries
+    assert len(entries) == len(tags) + 1 and all(len(checkpoint_folders.folders_of(directory, t)) == 1 for t in tags)
+
+
+_STEPS = ("replace", "rename", "remove", "unlink", "rmdir")
+
+
+@pytest.mark.parametrize("tag", ["a", "b"])
+def test_a_save_interrupted_at_every_step_leaves_latest_and_the_tag_loadable(tag, tmp_path, monkeypatch):
+    """Each file-system step of a save (a rename, a removal) in turn raises SystemExit, as if the job were
+    killed there: after every one ``latest`` and the tag load a complete checkpoint, old or new."""
+    directory = str(tmp_path / "ckpt")
+    fresh, step = _gpt_zero3()
+    x = torch.randint(0, 13, (2, 6))
+    state, _ = step(fresh(), x)
+    zf.checkpoint.save(state, directory, "a")  # count 1
+    state, _ = step(state, x)  # count 2
+    originals = {name: getattr(os, name) for name in _STEPS}
+    k = 0
+    while True:
+        k += 1
+        calls = []
+
+        def interrupt_at_k(original):
+            def call(*args, **kw):
+                calls.append(1)
+                if len(calls) == k:
+                    raise SystemExit(f"killed at step {k}")
+                return original(*args, **kw)
+            return call
+
+        for name in _STEPS:
+            monkeypatch.setattr(os, name, interrupt_at_k(originals[name]))
+        try:
+            zf.checkpoint.save(state, directory, tag)
+            finished = True
+        except SystemExit:
+            finished = False
+        for name in _STEPS:
+            monkeypatch.setattr(os, name, originals[name])
+        counts = set()
+        for which in (None, "a", tag):
+            try:
+                _, manifest = zf.checkpoint.load(fresh(), directory, which)
+            except FileNotFoundError:
+                assert which == tag == "b", f"killed at step {k}: {which!r} does not load"
+                continue
+            counts.add((which, manifest["count"]))
+            assert manifest["count"] in (1, 2)
+            if which == "a" and tag == "b":
+                assert manifest["count"] == 1
+        if finished:
+            assert counts == {(None, 2), ("a", 2 if tag == "a" else 1), (tag, 2)}
+            _assert_tidy(directory, {"a", tag})
+            break
+        assert k < 200
+    assert k > 5  # every step was interrupted once
 
 
 def test_consolidate_writes_safetensors(tmp_path):

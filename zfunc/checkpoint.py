@@ -1,64 +1,94 @@
-"""Checkpoints: each rank writes its own shards, rank 0 a manifest; load at any world size.
+"""Checkpoints: each rank writes its own shards, rank 0 a manifest; load at any world size,
+into any composition of transforms.
 
 A checkpoint is a folder ``DIR/TAG/``::
 
     manifest.json     rank 0: the model's layout (units, parameter names and shapes),
-                      each Params node's flat layout per unit (elements, padded
-                      length, sharded or whole), the world size, the composition,
-                      the step count and whatever the caller adds (config, engine
-                      counters)
+                      each part's flat layout per unit (elements, sharded or whole,
+                      dtype), the world size, the composition, the step count, the
+                      tag and whatever the caller adds (config, engine counters)
     rank{r}.bin       rank r's bytes: its shard of every sharded unit (parameters,
                       master weights, moments); rank 0 also the whole-buffer units
                       and the other tensors (step counters, loss scale, buffers)
-    rank{r}.json      the index of rank{r}.bin, and rank r's RNG state
+    rank{r}.json      the index of rank{r}.bin (with a checksum per chunk), and rank r's RNG state
+
+Parts are named by what they hold, not by where the composition keeps them:
+``params``, ``master`` (mixed precision's fp32 weights), ``opt_state.mu``,
+``frozen``, ``buffers['bn.running_mean']``, ``count``; offload's and mixed
+precision's wrappers are not in the names. So a checkpoint loads into any
+composition of the same model and optimizer (ZeRO stage 0-3, ``offload_cpu``,
+``offload_nvme``, mixed precision on or off) at any world size: the
+parameters and the moments are the same numbers wherever they live. Without
+mixed precision the fp32 parameters come from a checkpoint's master weights
+when it has them; with it, the master weights come from the checkpoint's
+master weights, or from its fp32 parameters (the low-precision ones cast).
 
 Every tensor goes in as raw bytes, one unit at a time, so a state whose tensors
 live in swap files (``offload_nvme``) is written without ever being whole in RAM.
-The folder is written under a temporary name and renamed once every rank's files
-and the manifest are complete; ``DIR/latest`` names the newest tag and is
-replaced last. A save killed at any point leaves the previous checkpoint, and
-``latest``, as they were. Free space is checked on every rank before writing.
+Every file is checksummed and every read verified (``checkpoint_io``); a save
+killed at any instant leaves ``latest`` and every tag naming a complete
+checkpoint (``checkpoint_folders``). Free space is checked on every rank before
+writing.
 
 Loading rebuilds each unit's flat buffer from the saved shards (any saved world
 size), pads it for the current one and keeps this rank's shard, one unit at a
-time: resharding is a by-product of storing flat layouts (``load``).
+time: resharding is a by-product of storing flat layouts (``load``). Every byte
+a rank will read is verified before anything is copied into the state.
 ``python -m zfunc.checkpoint consolidate DIR OUT.pt`` writes one fp32
 ``state_dict`` that ``model.load_state_dict`` accepts.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import mmap
 import os
 import shutil
 import sys
+import time
 from typing import Any
 
 import optree
 import torch
 
+from . import checkpoint_folders as folders
 from . import dist, swap
-from .ops import aio
+from .checkpoint_io import DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, read_json, write_json
 from .pytree import NAMESPACE, tree_unflatten
 from .tree import ModelSpec, Params
 
-FORMAT = 1
+FORMAT = 2  # 1: no checksums, parts named by their path in the composition's state
 SLACK = 1.05  # free space wanted, relative to the bytes a save writes
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-                               torch.int16, torch.int8, torch.uint8, torch.bool)}
+resolve = folders.resolve
 
 
 # ------------------------------------------------------------------ the state's parts
 
 
 def _parts(state) -> tuple[list[str], list[Any], Any]:
-    """``(paths, nodes, treedef)``: every ``Params`` node and every other leaf of ``state``,
-    each named by its path (``opt_state.inner.mu``, ``buffers['bn.running_mean']``)."""
+    """``(roles, nodes, treedef)``: every ``Params`` node and every other leaf of ``state``, each
+    named by what it holds (``_role``)."""
     accessors, nodes, treedef = optree.tree_flatten_with_accessor(state, is_leaf=lambda x: isinstance(x, Params),
                                                                   namespace=NAMESPACE)
-    return [a.codify("").lstrip(".") for a in accessors], nodes, treedef
+    return [_role(a) for a in accessors], nodes, treedef
+
+
+def _role(accessor) -> str:
+    """A part's path in the state without the wrappers a composition adds: ``opt_state.inner.inner.mu``
+    under ``offload_cpu(mixed_precision(...))`` is ``opt_state.mu`` as in a plain ``train_step``; the
+    fp32 master weights are ``master``; offload's host copy of the parameters is ``params``."""
+    from .offload import HostState
+    from .offload_nvme import SwapState
+    from .precision import MixedPrecisionState
+
+    kept = []
+    for e in accessor:
+        if e.type in (HostState, SwapState, MixedPrecisionState):
+            field = e.type._fields[e.entry] if e.type is not SwapState else "inner"
+            if field != "inner":  # HostState.params or MixedPrecisionState.master: weights, not state
+                return "params" if e.type is HostState else "master"
+            continue
+        kept.append(e)
+    return optree.PyTreeAccessor(tuple(kept)).codify("").lstrip(".")
 
 
 def _is_whole(t: torch.Tensor, sharded: bool) -> bool:
@@ -110,54 +140,7 @@ def _first_difference(saved: dict, ours: dict) -> str | None:
 # ------------------------------------------------------------------------- saving
 
 
-class _Writer:
-    """Appends tensors' raw bytes to one file through zfunc's asynchronous file I/O (direct
-    writes where the file system allows, several in flight) and indexes them."""
-
-    def __init__(self, path: str):
-        self.path = path
-        open(path, "wb").close()
-        self.io = aio.AsyncIO(block_size=1 << 22, queue_depth=8, check_space=False)  # checked once, up front
-        self.index: list[dict] = []
-        self.offset = 0
-
-    def add(self, key: str, t: torch.Tensor) -> None:
-        t = t.detach().to("cpu").contiguous()
-        data = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        if data.numel():
-            _write_chunk(self.io, data, self.path, self.offset)
-        self.index.append({"key": key, "dtype": str(t.dtype), "shape": list(t.shape), "offset": self.offset})
-        self.offset += data.numel()
-
-    def close(self, extra: dict) -> None:
-        self.io.close()  # every write done (or its error raised)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _write_json(self.path[: -len(".bin")] + ".json", {"tensors": self.index, **extra})
-
-
-def _write_chunk(io, data: torch.Tensor, path: str, offset: int) -> None:
-    io.pwrite(data, path, offset)
-
-
-def _write_text(path: str, text: str) -> None:
-    """Write ``path`` atomically: a temporary file, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _write_json(path: str, obj) -> None:
-    _write_text(path, json.dumps(obj))
-
-
-def _bytes_to_write(paths, nodes, rank: int) -> int:
+def _bytes_to_write(nodes, rank: int) -> int:
     total = 0
     for node in nodes:
         if isinstance(node, Params):
@@ -180,26 +163,33 @@ def _check_space(folder: str, need: int, group) -> None:
                           "checkpoint is intact")
 
 
+def _from_rank0(value: int, group) -> int:
+    out = torch.tensor([float(value if dist.rank(group) == 0 else 0)], dtype=torch.float64,
+                       device=dist.device_of(group))
+    return int(dist.all_reduce_sum(out, group).item())
+
+
 def save(state, directory: str, tag: str, *, extra: dict | None = None, group=None) -> str:
-    """Write ``state`` as checkpoint ``directory/tag`` (every rank calls it); return its folder.
+    """Write ``state`` as checkpoint ``tag`` in ``directory`` (every rank calls it); return its folder
+    (``directory/tag``, or ``directory/tag.rN`` while an older save of the same tag is replaced).
 
     ``extra``: plain data for the manifest (the engine's counters, its config).
     """
     r, w = dist.rank(group), dist.world_size(group)
-    if not tag or os.sep in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(f"a checkpoint tag is a plain folder name, got {tag!r}")
+    folders.check_tag(tag)
     os.makedirs(directory, exist_ok=True)
     _settle(state)
-    paths, nodes, _ = _parts(state)
-    _check_space(directory, _bytes_to_write(paths, nodes, r), group)
-    staging = os.path.join(directory, f".{tag}.partial")
+    roles, nodes, _ = _parts(state)
+    _check_space(directory, _bytes_to_write(nodes, r), group)
     if r == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # a save killed before left it
-        os.makedirs(staging)
-    dist.barrier(group)
-    writer = _Writer(os.path.join(staging, f"rank{r}.bin"))
+        folders.prepare(directory, tag)
+    final = folders.name(tag, _from_rank0(folders.free_name(directory, tag) if r == 0 else 0, group))
+    staging = folders.staging(directory, tag)
+    writer = Writer(os.path.join(staging, f"rank{r}.bin"))
     layouts = {}
-    for path, node in zip(paths, nodes):
+    for role, node in zip(roles, nodes):
+        if role in layouts:  # offload's host copy of the parameters: the same numbers as ``params``
+            continue
         if isinstance(node, Params):
             units = []
             for i, (t, sharded) in enumerate(zip(node.leaves, node.spec.sharded)):
@@ -210,123 +200,159 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
                 whole = _is_whole(t, sharded)
                 units.append({"numel": seg.numel if t.dim() else 0, "sharded": not whole, "dtype": str(t.dtype)})
                 if r == 0 or not whole:
-                    writer.add(f"{path}#{i}", swap.load(t))  # one unit in RAM at a time
-            layouts[path] = units
+                    writer.add(f"{role}#{i}", swap.load(t))  # one unit in RAM at a time
+            layouts[role] = units
         elif isinstance(node, torch.Tensor):
             if r == 0:
-                writer.add(path, node)
-            layouts[path] = "tensor"
+                writer.add(role, node)
+            layouts[role] = "tensor"
         else:
-            layouts[path] = {"value": node}
+            layouts[role] = {"value": node}
     rng = {"torch": torch.get_rng_state().tolist()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().tolist()
     writer.close({"rank": r, "rng": rng})
     dist.barrier(group)  # every rank's files are complete
-    folder = os.path.join(directory, tag)
     if r == 0:
         spec = state.params.spec.model
-        manifest = {"format": FORMAT, "world": w, "composition": None if state.plan is None else state.plan.composition,
+        manifest = {"format": FORMAT, "tag": tag, "saved_ns": time.time_ns(), "world": w,
+                    "composition": None if state.plan is None else state.plan.composition,
                     "count": int(state.count), "model": model_layout(spec), "layouts": layouts, **(extra or {})}
-        _write_json(os.path.join(staging, "manifest.json"), manifest)
-        old = os.path.join(directory, f".{tag}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(folder):
-            os.replace(folder, old)
-        os.replace(staging, folder)
-        shutil.rmtree(old, ignore_errors=True)
-        _write_text(os.path.join(directory, "latest"), tag)
+        write_json(os.path.join(staging, folders.MANIFEST), manifest)
+        folders.publish(directory, tag, final)
     dist.barrier(group)
-    return folder
+    return os.path.join(directory, final)
 
 
 # ------------------------------------------------------------------------ loading
 
 
-def resolve(directory: str, tag: str | None = None) -> str:
-    """The folder of checkpoint ``tag`` (default: the one ``latest`` names), checked complete."""
-    if tag is None:
-        latest = os.path.join(directory, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"no checkpoint in {directory!r}: it has no 'latest' file; pass tag= to name one")
-        with open(latest) as f:
-            tag = f.read().strip()
-    folder = os.path.join(directory, tag)
-    if not os.path.exists(os.path.join(folder, "manifest.json")):
-        raise FileNotFoundError(f"checkpoint {folder!r} is missing or incomplete (no manifest.json)")
-    return folder
-
-
 class Saved:
-    """A checkpoint's manifest and its ranks' tensors, read lazily (memory-mapped)."""
+    """A checkpoint's manifest and its ranks' tensors, read lazily (memory-mapped) and verified."""
 
     def __init__(self, folder: str):
         self.folder = folder
-        with open(os.path.join(folder, "manifest.json")) as f:
-            self.manifest = json.load(f)
+        self.manifest = read_json(os.path.join(folder, folders.MANIFEST))
         if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{folder!r}: checkpoint format {self.manifest.get('format')}, this zfunc reads {FORMAT}")
+            raise ValueError(f"{folder!r}: checkpoint format {self.manifest.get('format')}, this zfunc reads "
+                             f"{FORMAT} (format 1 came without checksums: load it with the zfunc that wrote it, "
+                             "and save it again with this one)")
         self.world = self.manifest["world"]
-        self.ranks = []
-        for k in range(self.world):
-            with open(os.path.join(folder, f"rank{k}.json")) as f:
-                meta = json.load(f)
-            with open(os.path.join(folder, f"rank{k}.bin"), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                # copy-on-write: writable for torch.frombuffer, never written back to the file
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
-            self.ranks.append((mm, {e["key"]: e for e in meta["tensors"]}, meta))
+        self.layouts = self.manifest["layouts"]
+        self.files = [RankFile(folder, k) for k in range(self.world)]
 
-    def view(self, rank: int, key: str) -> torch.Tensor:
-        """Tensor ``key`` of rank ``rank``'s file, as a view of the mapped file (copy what you keep)."""
-        mm, index, _ = self.ranks[rank]
-        e = index[key]
-        dtype = _DTYPES[e["dtype"]]
-        n = math.prod(e["shape"])
-        if not n:
-            return torch.empty(e["shape"], dtype=dtype)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=n * dtype.itemsize, offset=e["offset"])
-        return raw.view(dtype).reshape(e["shape"])
-
-    def tensor(self, rank: int, key: str) -> torch.Tensor:
-        return self.view(rank, key).clone()
-
-    def read_into(self, path: str, i: int, out: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Elements ``[start, start + len(out))`` of unit ``i``'s unpadded flat buffer in the Params node
-        at ``path`` (any saved world size; zeros past its end) into ``out``: only the saved shards that
-        overlap are read, so a load at the saved world size reads just this rank's file."""
-        lay = self.manifest["layouts"][path][i]
-        key = f"{path}#{i}"
-        if out.dim() == 0:
-            return out.copy_(self.view(0, key).reshape(()))
-        stop = min(start + out.numel(), lay["numel"])
+    def _pieces(self, role: str, i: int, start: int, n: int):
+        """``(rank file, key, lo, hi, at)``: elements ``[lo, hi)`` of a saved tensor that hold elements
+        ``[at, at + hi - lo)`` of ``[start, start + n)`` of unit ``i``'s unpadded flat buffer."""
+        lay, key = self.layouts[role][i], f"{role}#{i}"
+        if lay["numel"] == 0:  # a 0-d per-unit counter
+            return [(self.files[0], key, 0, 1, 0)]
+        stop = min(start + n, lay["numel"])
         if not lay["sharded"]:
-            if stop > start:
-                out[: stop - start].copy_(self.view(0, key)[start:stop])
-        else:
-            shard = self.view(0, key).numel()
-            pos = start
-            while pos < stop:
-                k, offset = divmod(pos, shard)
-                take = min(shard - offset, stop - pos)
-                out[pos - start: pos - start + take].copy_(self.view(k, key)[offset: offset + take])
-                pos += take
-        out[max(stop - start, 0):].zero_()  # padding
+            return [(self.files[0], key, start, stop, 0)] if stop > start else []
+        shard = math.prod(self.files[0].entry(key)["shape"])
+        pieces, pos = [], start
+        while pos < stop:
+            k, offset = divmod(pos, shard)
+            take = min(shard - offset, stop - pos)
+            pieces.append((self.files[k], key, offset, offset + take, pos - start))
+            pos += take
+        return pieces
+
+    def check(self, role: str, i: int | None, start: int, n: int) -> None:
+        """Verify the bytes ``read_into(role, i, ..., start)`` of ``n`` elements will read (``i`` None:
+        all of the tensor ``role``)."""
+        if i is None:
+            return self.files[0].verify(role)
+        for file, key, lo, hi, _ in self._pieces(role, i, start, n):
+            file.verify(key, lo, hi)
+
+    def read_into(self, role: str, i: int, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Elements ``[start, start + len(out))`` of unit ``i``'s unpadded flat buffer in the Params part
+        ``role`` (any saved world size; zeros past its end) into ``out``, cast to its dtype: only the saved
+        shards that overlap are read, so a load at the saved world size reads just this rank's file."""
+        if out.dim() == 0:
+            [(file, key, *_)] = self._pieces(role, i, 0, 1)
+            return out.copy_(file.view(key))
+        done = 0
+        for file, key, lo, hi, at in self._pieces(role, i, start, out.numel()):
+            out[at: at + hi - lo].copy_(file.view(key, lo, hi))
+            done = at + hi - lo
+        out[done:].zero_()  # padding
         return out
 
-    def unit(self, path: str, i: int) -> torch.Tensor:
-        """Unit ``i`` of the Params node at ``path``: its whole unpadded flat buffer (or 0-d counter)."""
-        lay = self.manifest["layouts"][path][i]
-        e = self.ranks[0][1][f"{path}#{i}"]
-        return self.read_into(path, i, torch.empty(lay["numel"] if e["shape"] else (), dtype=_DTYPES[e["dtype"]]))
+    def unit(self, role: str, i: int) -> torch.Tensor:
+        """Unit ``i`` of the Params part ``role``: its whole unpadded flat buffer (or 0-d counter)."""
+        lay = self.layouts[role][i]
+        shape = lay["numel"] if lay["numel"] else ()
+        return self.read_into(role, i, torch.empty(shape, dtype=dtype_of(lay["dtype"])))
+
+    def tensor(self, role: str) -> torch.Tensor:
+        return self.files[0].view(role).clone()
 
     def rng(self, rank: int) -> dict:
-        return self.ranks[rank if rank < self.world else 0][2]["rng"]
+        return self.files[rank if rank < self.world else 0].meta["rng"]
+
+
+def _dtype(node) -> str | None:
+    """The dtype of a Params part's units (of a saved layout's), as a string."""
+    if isinstance(node, Params):
+        return next((str(t.dtype) for t in node.leaves if t is not None and t.dim()), None)
+    return next((u["dtype"] for u in node if u is not None and u["numel"]), None)
+
+
+def _kind(node) -> str:
+    if isinstance(node, (Params, list)):
+        return "params"
+    return "tensor" if isinstance(node, torch.Tensor) or node == "tensor" else "value"
+
+
+def _sources(roles: list[str], nodes: list, saved: Saved, composition) -> list[str | None]:
+    """The saved part each of ours loads from (None: keep ours), or a clear error when the
+    checkpoint holds another optimizer's state (or other buffers)."""
+    layouts = saved.layouts
+    out, ours_only = [], []
+    for role, node in zip(roles, nodes):
+        src = role
+        if role == "master":
+            src = "master" if "master" in layouts else "params"
+        elif role == "params" and "master" in layouts and _dtype(node) != _dtype(layouts["params"]):
+            src = "master"  # the fp32 values, cast to ours
+        elif role.startswith("loss_scale") and role not in layouts:
+            src = None  # saved without fp16's loss scaler: ours starts afresh
+        if src is not None and (src not in layouts or _kind(layouts[src]) != _kind(node)):
+            ours_only.append(role)
+        out.append(src)
+    theirs_only = [r for r in layouts if r not in roles and r != "master" and not r.startswith("loss_scale")]
+    if ours_only or theirs_only:
+        raise ValueError(
+            f"checkpoint {saved.folder!r} holds the state of {saved.manifest.get('composition')}, but this step's "
+            f"state is {composition}, and their optimizer states or buffers differ (here only: {ours_only}; in the "
+            f"checkpoint only: {theirs_only}): it was saved with another optimizer (or other buffers). Any ZeRO "
+            "stage, offload, mixed precision and world size load it, with the same model and optimizer")
+    return out
+
+
+def _verified(reads, folder: str, group) -> None:
+    """Verify every byte this rank will read; raise on every rank if any rank found damage."""
+    error = None
+    try:
+        for src, role, j, start, n in reads:
+            src.check(role, j, start, n)
+    except DamagedCheckpointError as e:
+        error = e
+    bad = torch.tensor([float(error is not None)], dtype=torch.float64, device=dist.device_of(group))
+    dist.all_reduce_sum(bad, group)
+    if error is not None:
+        raise error
+    if bad.item():
+        raise damaged(folder, None, "has a damaged file, which another rank found (its error names it)")
 
 
 def load(state, directory: str, tag: str | None = None, *, group=None, sources=None):
-    """Copy checkpoint ``directory/tag`` into ``state`` (built by the step that will use it, at any
-    world size); returns ``(state, manifest)``. Every rank calls it.
+    """Copy checkpoint ``directory/tag`` into ``state`` (built by the step that will use it: any
+    composition of the same model and optimizer, any world size); returns ``(state, manifest)``.
+    Every rank calls it.
 
     ``sources``: ``(primary, locate)`` for a state whose units were saved in several
     checkpoints (pipeline stages cut elsewhere): ``locate(unit) -> (Saved, its unit there)``;
@@ -352,38 +378,46 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
                     raise ValueError(f"unit {unit['name']!r} holds shapes {b} here but {a} in {src.folder!r}: "
                                      "the checkpoint was saved from another model")
     manifest = saved.manifest
-    paths, nodes, treedef = _parts(state)
-    if list(manifest["layouts"]) != paths:
-        raise ValueError(
-            f"checkpoint {saved.folder!r} holds the state of {manifest.get('composition')}, but this step's state is "
-            f"{None if state.plan is None else state.plan.composition}; their parts differ. Load it into a state "
-            "built by the same composition of transforms (any world size)")
-    store = swap.open_store(state)
-    if store is not None:
-        store.drop_resident()  # the files are about to change under it
-    out = []
-    for path, node in zip(paths, nodes):
+    roles, nodes, treedef = _parts(state)
+    from_roles = _sources(roles, nodes, saved, None if state.plan is None else state.plan.composition)
+    # every read, as (checkpoint, saved part, its unit, first element, elements), verified before any copy
+    reads = []
+    for src_role, node in zip(from_roles, nodes):
         if isinstance(node, Params):
-            group_of_node = node.spec.process_group
-            r = dist.rank(group_of_node)
+            r = dist.rank(node.spec.process_group)
             for i, (leaf, sharded) in enumerate(zip(node.leaves, node.spec.sharded)):
                 if leaf is None or (leaf.dim() and not leaf.numel()):
                     continue
                 # this rank's part of the unit laid out for this world size: its shard, or all of it
                 start = r * leaf.numel() if not _is_whole(leaf, sharded) else 0
                 src, j = locate(i)
+                reads.append((src, src_role, j, start, leaf.numel()))
+    wholes = [(saved, role, None, 0, 0) for role, node in zip(from_roles, nodes)
+              if isinstance(node, torch.Tensor) and role is not None]
+    _verified(reads + wholes, saved.folder, group)
+    store = swap.open_store(state)
+    if store is not None:
+        store.drop_resident()  # the files are about to change under it
+    out, reads = [], iter(reads)
+    for src_role, node in zip(from_roles, nodes):
+        if isinstance(node, Params):
+            for leaf in node.leaves:
+                if leaf is None or (leaf.dim() and not leaf.numel()):
+                    continue
+                src, role, j, start, _ = next(reads)
                 if swap.on_disk(leaf):
-                    value = src.read_into(path, j, torch.empty(leaf.shape, dtype=leaf.dtype), start)
+                    value = src.read_into(role, j, torch.empty(leaf.shape, dtype=leaf.dtype), start)
                     store_of_leaf, _, _ = swap.locate(leaf)
                     store_of_leaf.write_now(value, leaf)
                 else:
-                    src.read_into(path, j, leaf, start)
+                    src.read_into(role, j, leaf, start)
             out.append(node)
         elif isinstance(node, torch.Tensor):
-            node.copy_(saved.view(0, path))
+            if src_role is not None:
+                node.copy_(saved.files[0].view(src_role))
             out.append(node)
         else:
-            out.append(manifest["layouts"][path]["value"])
+            out.append(node if src_role is None else saved.layouts[src_role]["value"])
     rng = saved.rng(dist.rank(group))
     torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
     if "cuda" in rng and torch.cuda.is_available():
@@ -395,20 +429,14 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
 # -------------------------------------------------------------------- consolidate
 
 
-def _master_path(layouts: dict) -> str:
-    """The Params node with the full-precision trainable weights: the fp32 master under mixed
-    precision, else the parameters."""
-    masters = [p for p in layouts if p.rsplit(".", 1)[-1] == "master" and isinstance(layouts[p], list)]
-    return masters[0] if masters else "params"
-
-
 def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tensor]:
     """One fp32 ``state_dict`` (parameters, tied names too, and buffers) from a checkpoint."""
     saved = Saved(resolve(directory, tag))
     manifest = saved.manifest
     units = manifest["model"]["units"]
     out: dict[str, torch.Tensor] = {}
-    for path, kind in ((_master_path(manifest["layouts"]), "trainable"), ("frozen", "frozen")):
+    trainable = "master" if "master" in manifest["layouts"] else "params"  # the fp32 weights
+    for path, kind in ((trainable, "trainable"), ("frozen", "frozen")):
         for i, unit in enumerate(units):
             entries = unit[kind]["entries"]
             if not entries:
@@ -423,7 +451,7 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
         out[alias] = out[canonical]
     for path, lay in manifest["layouts"].items():
         if path.startswith("buffers['") and lay == "tensor":
-            out[path[len("buffers['"): -len("']")]] = saved.tensor(0, path)
+            out[path[len("buffers['"): -len("']")]] = saved.tensor(path)
     keys = manifest.get("state_dict_keys")
     if keys is None:
         return out
