@@ -1,16 +1,17 @@
 """NVMe offload as a step transform: parameters, gradients and optimizer state in swap files
 (ZeRO-Infinity).
 
-``offload_nvme(step, path)`` keeps, per unit, this rank's parameter shard, its
-gradient and every optimizer-state tensor (fp32 master, Adam's moments) in
-swap files under ``path/rank{r}/`` (zfunc.swap). RAM holds a fixed pool of
-``buffer_count`` read buffers, the units in use, and the update's staging sets
-(at most three sub-groups of ``sub_group_size`` elements), whatever the
-model's size.
+``offload_nvme(step, path)`` keeps, per unit, this rank's parameter shard (and
+its frozen parameters' shard), its gradient and every optimizer-state tensor
+(fp32 master, Adam's moments) in swap files under ``path/rank{r}/``
+(zfunc.swap). RAM holds a fixed pool of ``buffer_count`` read buffers, the
+units in use, and the update's staging sets (at most three sub-groups of
+``sub_group_size`` elements), whatever the model's size.
 
-* init: each unit's shard is staged to disk as it is made; the optimizer state
-  is then built one unit at a time and written out, so init never holds more
-  than a unit either.
+* init: each unit's shard is staged to disk as it is made (its frozen shard is
+  written there once, in its stored dtype: nothing updates it); the optimizer
+  state is then built one unit at a time and written out, so init never holds
+  more than a unit either.
 * forward and backward: a unit is read into a pool buffer ahead of use (the
   step's coordinator, zfunc.coordinator, issues the reads, then the
   all-gathers, along the order recorded in the first step), gathered if sharded, and its buffer returned after use; backward
