@@ -11,9 +11,9 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import zfunc as zf
 from cases import micro_batches
@@ -52,8 +52,9 @@ def reference(model_kw: dict, steps: int, batch_size: int) -> dict:
         value.backward()
         opt.step()
         losses.append(value.item())
+    x, y = _batch(model, steps, batch_size)
     with torch.no_grad():
-        eval_loss = _loss(model(_batch(model, steps, batch_size)[0]), _batch(model, steps, batch_size)[1]).item()
+        eval_loss = _loss(model(x), y).item()
     return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses,
             "eval_loss": eval_loss}
 
@@ -107,7 +108,7 @@ def leaf_run(model_kw: dict, stage: int, offload: dict | None, threshold: int, m
 kinds = st.lists(st.sampled_from(LEAF_KINDS), unique=True).map(tuple)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(root=kinds, child=kinds, nested=kinds, all_frozen=st.lists(st.sampled_from(["child", "nested"]), unique=True),
        world=st.sampled_from([1, 2, 3]), stage=st.sampled_from([0, 1, 2, 3]), params=st.booleans(),
        optimizer=st.booleans(), micro=st.sampled_from([None, 2]), under=st.booleans(),
