@@ -22,7 +22,7 @@ from itertools import islice
 
 import torch
 
-from . import buffers, dist, layout, placement, swap
+from . import buffers, dist, layout, swap
 from .ops import cpu_adam
 from .grad import GradOut, grad_spec
 from .step import Step
@@ -105,7 +105,7 @@ class GradSink:
         acc = self._acc(unit)
         tracker = unit.tracker
         if self.spec.sharded[unit.index]:
-            pending = placement.send_home_start(unit.place, grad_full, unit.group)
+            pending = unit.send_home_start(grad_full)
             tracker.reducing(pending.then(lambda g: self._done(unit, acc.add_(g)), acc))
             return
         self._settled(unit)
@@ -124,7 +124,7 @@ class GradSink:
         later use waits for it, adds, and reduces its part: the mean is linear)."""
         tracker = unit.tracker
         if self.last:
-            pending = placement.send_home_start(unit.place, acc, unit.group, out_dtype=acc.dtype)
+            pending = unit.send_home_start(acc, out_dtype=acc.dtype)
             if pending.out is not acc:  # reduced in another dtype, or W = 1 made a copy
                 pending = pending.then(acc.copy_, acc)
             pending = pending.then(lambda a: self._done(unit, a), acc)

@@ -32,12 +32,31 @@ is recorded, with one ``OrderChangedWarning`` per order not seen before; the
 next pass expects the order that followed the last one last time, so a model
 that alternates between two paths prefetches both with no further messages.
 
-Ranks must materialize the same units in the same order. A fingerprint of each
-step's order rides in the step's one all-reduce (zfunc.step), and every
-collective a step issues has a timeout (``collective_timeout``); when either
-trips, the ranks exchange their orders through the process group's store (not
-a collective, so it works while collectives hang) and every rank raises
-``RanksDivergedError`` naming each rank's unit where the orders first differ.
+Ranks must materialize the same units in the same order, and no rank may ever
+issue a collective whose size differs from its peers' (gloo aborts the process,
+nccl hangs or reads garbage). So every collective of a step passes the
+coordinator's gate (zfunc.dist) before it is issued, and the order of a step's
+events (materializations and gradient reductions) is kept in step:
+
+* while no order is agreed (a pass with no trace to follow: the recording
+  step, or a new path), each collective is first checked: one fixed-size
+  all-gather of its size and identity; if any rank's differs, none issues it;
+* a pass that follows a trace (agreed: every rank recorded it in a step that
+  passed) issues its collectives unchecked, at no cost, and compares each event
+  with the trace locally. A rank that departs from it (or ends early) issues
+  nothing more: it posts where it departed to the store; if every rank departed
+  alike (control flow that agrees across ranks) they go on, checking; if not, a
+  rank still waiting on a collective the departed rank will never issue sees the
+  post within a slice of its wait, and every rank raises;
+* the step's one all-reduce (zfunc.step) carries a fingerprint of the order.
+
+Every collective a step issues has a timeout (``collective_timeout``). On any of
+these failures, or a failed collective, the ranks exchange their orders through
+the process group's store (not a collective, so it works while collectives
+hang) and every rank raises ``RanksDivergedError`` naming each rank's event
+where the orders first differ; a rank that neither reports nor waits in a
+collective (its heartbeat is still; zfunc.dist) is named in a
+``RankUnresponsiveError``: stopped, stuck outside the step, or dead.
 
 ``metrics["prefetch"]`` reports each step's hits (materializations that found
 their buffer in flight or kept), misses, bytes prefetched, seconds spent
@@ -48,9 +67,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import itertools
 import time
 import warnings
 from dataclasses import dataclass
+
+from . import dist
 
 DEFAULT_PREFETCH_BUCKET_SIZE = None  # twice the largest unit (DeepSpeed's 5e7 gathers most of a small model)
 DEEPSPEED_PREFETCH_BUCKET_SIZE = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size, for its configs
@@ -65,6 +87,14 @@ class OrderChangedWarning(UserWarning):
 
 class RanksDivergedError(RuntimeError):
     """Ranks materialized different units in one step; raised on every rank."""
+
+
+class RankUnresponsiveError(RanksDivergedError):
+    """A rank did not arrive at a step's collectives and does not wait in one: it is stopped,
+    stuck outside the step (a hung data loader), or dead; raised on the ranks that waited."""
+
+
+_step_ids = itertools.count()  # every rank begins the same steps in the same order: store keys per step
 
 
 @dataclass(frozen=True)
@@ -144,66 +174,129 @@ class Traces:
 
 class Coordinator:
     """One per step function: the traces it has seen (per model layout), and its settings.
-    It changes when materializations start, never what they compute."""
+    It changes when materializations start, never what they compute; inside a step
+    (``begin_step``) it is also the gate of the step's collectives (module docstring)."""
 
     def __init__(self, settings: Prefetch):
         self.settings = settings
         self.layouts: dict[int, Traces] = {}  # id of a ModelSpec -> its traces
         self.runs: list[Run] = []  # this step's passes (micro-batches)
-        self.diagnosed = 0  # failures diagnosed so far (names the store keys of the next)
+        self.step_id: int | None = None  # names this step's keys in the store
+        self.lockstep = False  # inside a step: collectives are kept in step with the other ranks'
+        self.checking = False  # each collective is checked with the other ranks before it is issued
+        self.issued = 0  # collectives this step has issued through the gate
 
     def begin_step(self) -> None:
         self.runs = []
+        self.step_id = next(_step_ids)
+        self.lockstep = True
+        self.checking = False  # every rank starts a step in the same place (the last one agreed)
+        self.issued = 0
 
     def begin(self, model) -> "Run":
         """A pass over the units of ``model`` (a ModelSpec)."""
         traces = self.layouts.get(id(model))
         if traces is None:
             traces = self.layouts[id(model)] = Traces(model)
-        run = Run(self, traces)
+        run = Run(self, traces, len(self.runs))
         self.runs.append(run)
         return run
 
     def order(self) -> list[str]:
-        """The units this step materialized, in order, by name."""
-        return [run.names.get(key, str(key)) for run in self.runs for key, _ in run.events]
+        """The units this step materialized (and whose gradients it reduced), in order, by name."""
+        return [run.name(key) for run in self.runs for key, _ in run.events]
 
     def order_hash(self) -> int:
         """A 20-bit fingerprint of this step's order: ranks compare sums of it and of its square
         in the step's one float64 all-reduce (equal on every rank iff W * sum(h^2) == sum(h)^2)."""
         return int(fingerprint(tuple(key for run in self.runs for key, _ in run.events)), 16) & 0xFFFFF
 
+    # ------------------------------------------------------------------- the gate
+
+    def admit(self, op: str, t, group) -> int:
+        """``op`` over ``t`` is about to be issued (zfunc.dist): while checking, every rank first
+        shows the others its size and identity. Returns its place in this step's collectives."""
+        if self.checking:
+            self.check(dist.identity(op, t), group)
+        self.issued += 1
+        return self.issued - 1
+
+    def check(self, identity: tuple[int, int], group) -> None:
+        if not dist.same_everywhere(identity, group):
+            raise _Mismatch("the ranks' next collectives differ (each rank checked its own before issuing it)")
+
+    def stalled(self, seq: int, group) -> None:
+        """This rank has waited a slice for collective ``seq``: raise if another rank left the
+        agreed order before issuing it (it never will)."""
+        for r, posted in enumerate(dist.peek(f"{self.step_id}/left", group)):
+            if posted is not None and int(posted) <= seq:
+                raise dist.OutOfStep(f"rank {r} left the agreed order after {posted} collectives of this step; "
+                                     f"this rank waited on collective {seq + 1}")
+
+    def depart(self, run: "Run", what: str, group) -> None:
+        """``run`` left the trace every rank agreed on (``what`` it did instead); it issues nothing
+        until every rank's post says they left it alike (then they go on, checking each collective)."""
+        dist.post(f"{self.step_id}/left", str(self.issued), group)
+        timeout = self.settings.timeout_s
+        posted = dist.exchange(f"{self.step_id}/depart/{run.index}", f"{len(run.events)}: {what}", group,
+                               timeout_s=float("inf") if timeout is None else timeout,
+                               give_up=lambda: any(p is not None for p in dist.peek(f"{self.step_id}/order", group)))
+        if len(set(posted)) > 1 or None in posted:
+            raise dist.OutOfStep(f"this rank left the agreed order of units ({what}); the others did not alike")
+        self.checking = True
+
+    # ------------------------------------------------------------- failures
+
     def diverged(self, group, cause: BaseException | None = None):
-        """Raise, on every rank, which unit each rank materialized where the orders first differ.
+        """Raise, on every rank, which unit each rank materialized where the orders first differ;
+        or, if some rank neither reports nor waits in a collective, that it is stuck or dead.
 
         The orders travel through the process group's store, so this works while collectives hang.
         """
-        from . import dist
-
-        self.diagnosed += 1
         mine = self.order()
-        wait = 10.0 if cause is None else 2 * (self.settings.timeout_s or 30.0)
-        posted = dist.exchange(f"order/{self.diagnosed}", "\n".join(mine), group, timeout_s=wait)
-        orders = [None if p is None else (p.split("\n") if p else []) for p in posted]
-        known = [o for o in orders if o is not None]
-        n = max(len(o) for o in known)
-        at = next((i for i in range(n) if len({o[i] if i < len(o) else None for o in known}) > 1), n)
-        where = ", ".join(
-            f"rank {r}: " + ("did not report (stuck elsewhere or failed)" if o is None else
-                             repr(o[at]) if at < len(o) else "nothing (its step ended there)")
-            for r, o in enumerate(orders))
-        what = (f"a collective timed out after {self.settings.timeout_s:g} s" if cause is not None
-                else "their orders' fingerprints differ")
-        if at == n and None not in orders:
+        timeout = self.settings.timeout_s or 30.0
+        dist.post(f"{self.step_id}/left", str(self.issued), group)  # it issues nothing more
+        posted = dist.exchange(f"{self.step_id}/order", "\n".join(mine), group, timeout_s=2 * timeout,
+                               grace_s=dist.grace_s(timeout, group))
+        missing = [r for r, p in enumerate(posted) if p is None]
+        if missing:
+            ranks = ", ".join(map(str, missing))
+            failed = (f"a collective failed ({str(cause).strip().splitlines()[0]})" if cause is not None
+                      and not isinstance(cause, dist.CollectiveTimeout) else
+                      f"a collective did not complete within {timeout:g} s")
+            raise RankUnresponsiveError(
+                f"rank{'s' if len(missing) > 1 else ''} {ranks} did not arrive: {failed}, and rank"
+                f"{'s' if len(missing) > 1 else ''} {ranks} neither reported nor waited in a collective: it may be "
+                "stuck (stopped, a hung data loader, a long computation outside the step) or dead; its own log "
+                "says which. The process group cannot be used after this: restart the job") from cause
+        if cause is not None and not isinstance(cause, dist.CollectiveTimeout):
+            raise cause  # every rank is here: the failure is what it says
+        orders = [p.split("\n") if p else [] for p in posted]
+        n = max(len(o) for o in orders)
+        at = next((i for i in range(n) if len({o[i] if i < len(o) else None for o in orders}) > 1), n)
+        where = ", ".join(f"rank {r}: " + (repr(o[at]) if at < len(o) else "nothing (its step ended there)")
+                          for r, o in enumerate(orders))
+        if isinstance(cause, dist.OutOfStep):
+            what = "found before any rank issued a collective that did not match"
+        elif cause is not None:
+            what = f"a collective timed out after {timeout:g} s"
+        else:
+            what = "their orders' fingerprints differ"
+        if at == n:
             raise RanksDivergedError(
                 f"{what}, yet every rank materialized the same {n} units in the same order: a rank failed "
                 "or stalled outside materialization (its own error says why)") from cause
+        usable = cause is None or isinstance(cause, _Mismatch)  # no rank issued what the others did not
         raise RanksDivergedError(
-            f"ranks materialized different units in this step ({what}): at materialization {at + 1} of this "
-            f"rank's {len(mine)}, {where}. Every rank must run the same modules in the same order "
-            "(control flow that depends on the data must agree across ranks)"
-            + ("; the process group cannot be used after a timed-out collective: restart the job" if cause else "")
+            f"ranks materialized different units in this step ({what}): at event {at + 1} of this "
+            f"rank's {len(mine)} (materializations and gradient reductions), {where}. Every rank must run the "
+            "same modules in the same order (control flow that depends on the data must agree across ranks)"
+            + ("" if usable else "; the process group cannot be used after this: restart the job")
         ) from cause
+
+
+class _Mismatch(dist.OutOfStep):
+    """A check found the ranks' next collectives differ: every rank stopped at the same one."""
 
 
 def fingerprint(trace) -> str:
@@ -211,14 +304,25 @@ def fingerprint(trace) -> str:
 
 
 class Run:
-    """One step's (or micro-batch's) pass through the units: follows a trace, records the order."""
+    """One step's (or micro-batch's) pass through the units: follows a trace, records the order.
 
-    def __init__(self, coordinator: Coordinator, traces: Traces):
+    Its events are the units' materializations, ``(unit key, elements)``, and their gradients'
+    reductions, ``(("g", *unit key), elements)``: every collective it issues follows from them."""
+
+    def __init__(self, coordinator: Coordinator, traces: Traces, index: int = 0):
+        self.coordinator = coordinator
         self.traces = traces
+        self.index = index  # the step's passes before this one
         self.settings = coordinator.settings
-        self.events: list = []  # (unit key, elements), in the order materialized
+        self.events: list = []  # (key, elements), in the order they happened
         self.trace = traces.expected()  # being followed; None once off every known trace
-        self.units: dict = {}  # unit key -> _Unit, as they are registered
+        # in a step, a pass with a trace follows the order every rank agreed on, unchecked; one
+        # without (recording) checks each collective with the other ranks before issuing it
+        self.following = coordinator.lockstep and self.trace is not None
+        if coordinator.lockstep:
+            coordinator.checking = self.trace is None
+        self.group = None  # the units' process group
+        self.units: dict = {}  # unit key -> _Unit that gathers, as they are registered
         self.names: dict = {}  # unit key -> the unit's name, for errors
         self.live = 0  # elements gathered or in flight now
         self.peak_live = 0
@@ -230,8 +334,16 @@ class Run:
     # -------------------------------------------------------------- units tell us
 
     def register(self, unit, name: str) -> None:
-        self.units[unit.key] = unit
+        """A unit of this pass; prefetched if materializing it gathers or reads."""
+        if unit.gathers:
+            self.units[unit.key] = unit
         self.names[unit.key] = name
+        self.group = unit.group
+
+    def name(self, key) -> str:
+        if key[0] == "g":
+            return f"{self.names.get(key[1:], str(key[1:]))} (gradient)"
+        return self.names.get(key, str(key))
 
     def keeps(self, unit) -> bool:
         """Whether ``unit``, done with now, is materialized again within ``max_reuse``
@@ -242,6 +354,8 @@ class Run:
         for key, numel in self.trace[len(self.events):]:
             if key == unit.key:
                 return True
+            if key[0] == "g":
+                continue
             distance += numel
             if distance > self.settings.max_reuse:
                 return False
@@ -256,16 +370,28 @@ class Run:
 
     def using(self, unit) -> None:
         """``unit`` is about to be materialized (forward, or a backward re-gather)."""
-        event = (unit.key, unit.full_numel)
-        self.events.append(event)
+        self._happens((unit.key, unit.full_numel))
         n = len(self.events)
-        if self.trace is not None and (len(self.trace) < n or self.trace[n - 1] != event):
-            self.trace = self.traces.known(self.events)
         if unit.pending is not None:
             self.hits += 1
         else:
             self.misses += 1
         self._prefetch(n)
+
+    def sending_home(self, unit) -> None:
+        """``unit``'s gradient is about to be reduced over the ranks."""
+        self._happens((("g", *unit.key), unit.full_numel))
+
+    def _happens(self, event) -> None:
+        """Record ``event`` before any collective it leads to; off the trace, find another (or none),
+        and in a step, first agree with the other ranks that they left it alike."""
+        self.events.append(event)
+        n = len(self.events)
+        if self.trace is not None and (len(self.trace) < n or self.trace[n - 1] != event):
+            if self.following:
+                self.following = False
+                self.coordinator.depart(self, self.name(event[0]), self.group)
+            self.trace = self.traces.known(self.events)
 
     def allocated(self, numel: int) -> None:
         self.live += numel
@@ -318,7 +444,13 @@ class Run:
     # ------------------------------------------------------------------ finish
 
     def finish(self) -> dict:
-        """Record this pass's order; its prefetch metrics."""
+        """Record this pass's order; its prefetch metrics. In a step, the ranks end it together:
+        one that ends before its trace does departs from it, and while checking, the end is checked."""
+        if self.following and len(self.events) != len(self.trace):
+            self.following = False
+            self.coordinator.depart(self, "the end of its pass", self.group)
+        if self.coordinator.checking and dist.world_size(self.group) > 1:
+            self.coordinator.check((-1, len(self.events)), self.group)
         if self.events:
             self.traces.record(self.events)
         return {"hits": self.hits, "misses": self.misses, "bytes_prefetched": self.prefetched_bytes,
@@ -330,10 +462,12 @@ _current: contextvars.ContextVar[Coordinator | None] = contextvars.ContextVar("z
 
 @contextlib.contextmanager
 def active(coordinator: Coordinator | None):
-    """Materializations inside follow ``coordinator`` (None: on demand)."""
+    """Materializations inside follow ``coordinator`` (None: on demand); inside a step
+    (``begin_step``), collectives pass its gate."""
     token = _current.set(coordinator)
     try:
-        yield
+        with dist.gated(coordinator if coordinator is not None and coordinator.lockstep else None):
+            yield
     finally:
         _current.reset(token)
 

@@ -3,13 +3,21 @@
 W = 1 needs no process group at all. Under torchrun, ``init()`` reads the
 environment and picks gloo on CPU, nccl on CUDA. Every collective in the
 library goes through this module, so the torch API it depends on lives here.
+
+Inside a step, every collective is first shown to the step's gate (``gated``:
+the coordinator, which may check with the other ranks that theirs is the same
+before any rank issues it) and waited for at most the step's ``deadline``; a
+wait longer than a slice beats the rank's heartbeat in the store, so the other
+ranks can tell a rank that is stuck or dead from one that waits with them.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import datetime
+import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,55 +25,220 @@ import torch.distributed as dist
 from . import buffers, layout
 
 _timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("zfunc_collective_timeout", default=None)
+_gate: contextvars.ContextVar = contextvars.ContextVar("zfunc_collective_gate", default=None)
+_label: contextvars.ContextVar[str] = contextvars.ContextVar("zfunc_collective_label", default="")
+_watched: contextvars.ContextVar = contextvars.ContextVar("zfunc_watched_group", default=None)
 
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the step's timeout (another rank is elsewhere)."""
 
 
+class OutOfStep(CollectiveTimeout):
+    """The ranks' next collectives differ (found before any rank issued one that would not match)."""
+
+
 @contextlib.contextmanager
-def deadline(seconds: float | None):
-    """Collectives waited for inside raise ``CollectiveTimeout`` after ``seconds`` (None: wait forever)."""
-    token = _timeout.set(seconds)
+def deadline(seconds: float | None, group=None):
+    """Collectives waited for inside raise ``CollectiveTimeout`` after ``seconds`` (None: wait forever);
+    a long wait watches the heartbeats of ``group``'s ranks."""
+    tokens = _timeout.set(seconds), _watched.set(group)
     try:
         yield
     finally:
-        _timeout.reset(token)
+        _timeout.reset(tokens[0])
+        _watched.reset(tokens[1])
 
 
-def _wait(work) -> None:
+@contextlib.contextmanager
+def gated(gate):
+    """Collectives issued inside call ``gate.admit(op, tensor, group)`` first (None: no gate)."""
+    token = _gate.set(gate)
+    try:
+        yield
+    finally:
+        _gate.reset(token)
+
+
+@contextlib.contextmanager
+def labelled(label: str):
+    """Collectives issued inside are about ``label`` (a unit's name): part of their identity."""
+    token = _label.set(label)
+    try:
+        yield
+    finally:
+        _label.reset(token)
+
+
+def _admit(op: str, t: torch.Tensor, group) -> int | None:
+    """Show the gate ``op`` over ``t`` before it is issued; its place in the step's collectives."""
+    gate = _gate.get()
+    return None if gate is None else gate.admit(op, t, group)
+
+
+def identity(op: str, t: torch.Tensor) -> tuple[int, int]:
+    """What must be the same on every rank for a collective to match: its size, and a digest of
+    its kind, dtype and label."""
+    digest = hashlib.blake2b(f"{op}|{t.dtype}|{_label.get()}".encode(), digest_size=8).digest()
+    return t.numel(), int.from_bytes(digest, "little", signed=True)
+
+
+def same_everywhere(values: tuple[int, ...], group=None) -> bool:
+    """Whether every rank of ``group`` passed the same ``values``: one all-gather of a fixed size
+    (so it matches whatever the others passed), issued around the gate."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device_of(group))
+    rows = torch.empty(world_size(group) * mine.numel(), dtype=torch.int64, device=mine.device)
+    _wait(dist.all_gather_single(rows, mine, group=group, async_op=True))
+    rows = rows.view(-1, mine.numel()).cpu()
+    return bool((rows == rows[0]).all())
+
+
+# ------------------------------------------------------------------ waiting, heartbeats
+
+
+def _slice_s(seconds: float) -> float:
+    """How long one wait lasts before the rank beats and looks again."""
+    return min(1.0, max(0.05, seconds / 20))
+
+
+def _wait(work, seq: int | None = None) -> None:
+    """Wait for ``work`` within the deadline; each slice of a long wait beats the heartbeat and
+    asks the gate whether collective ``seq`` of the step can still complete (``stalled``)."""
     seconds = _timeout.get()
     if seconds is None:
         work.wait()
         return
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=seconds))
-    except RuntimeError as e:
-        if "timed out" not in str(e).lower():
-            raise
-        raise CollectiveTimeout(
-            f"a collective did not complete within {seconds:g} s: another rank is not taking part in it "
-            "(it diverged, failed or is much slower). The process group cannot be used after this"
-        ) from e
+    # gloo's timed wait leaves the collective running, so it is waited for in slices with a
+    # heartbeat between; other backends (nccl tears down on a timed-out wait) wait once
+    group = _watched.get()
+    step = _slice_s(seconds) if dist.get_backend(group) == "gloo" else seconds
+    end = time.monotonic() + seconds
+    while True:
+        left = end - time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(min(step, left), 0.001)))
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+        if end - time.monotonic() <= 0:
+            raise CollectiveTimeout(
+                f"a collective did not complete within {seconds:g} s: another rank is not taking part in it "
+                "(it diverged, failed or is much slower). The process group cannot be used after this")
+        beat(group, watch=end - time.monotonic() < 4 * step, step=step)
+        gate = _gate.get()
+        if gate is not None and seq is not None:
+            gate.stalled(seq, group)
 
 
-def exchange(tag: str, value: str, group=None, timeout_s: float = 60.0) -> list[str | None]:
+class _Liveness:
+    """Each rank's heartbeat count as last read, and when it last changed (monotonic seconds)."""
+
+    def __init__(self):
+        self.count: dict[int, int] = {}
+        self.changed: dict[int, float] = {}
+        self.since: float | None = None  # when this rank started watching (a gap starts anew)
+        self.last: float | None = None  # when it last looked
+
+    def observe(self, store, ranks, step: float) -> None:
+        now = time.monotonic()
+        if self.last is None or now - self.last > 3 * step:
+            self.since = now
+        self.last = now
+        for r in ranks:
+            n = int(store.add(f"zfunc/beat/{r}", 0))
+            if self.count.get(r) != n:
+                self.count[r], self.changed[r] = n, now
+
+    def quiet_for(self, r: int) -> float:
+        """Seconds ``r``'s heartbeat has not moved while this rank watched."""
+        if self.since is None:
+            return 0.0
+        return time.monotonic() - max(self.changed.get(r, self.since), self.since)
+
+
+_liveness = _Liveness()
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def beat(group=None, watch: bool = False, step: float = 1.0) -> None:
+    """Tell the other ranks this one is alive and waiting; with ``watch``, note theirs (looking
+    every ``step`` seconds)."""
+    if not is_initialized():
+        return
+    store = _store()
+    store.add(f"zfunc/beat/{dist.get_rank()}", 1)
+    if watch:
+        _liveness.observe(store, _ranks(group), step)
+
+
+def grace_s(timeout_s: float, group=None) -> float:
+    """How long a rank may neither report nor beat before it counts as stuck or dead: three
+    slices where waits beat (gloo); elsewhere a waiting rank is silent until its own timeout."""
+    step = _slice_s(timeout_s)
+    if is_initialized() and dist.get_backend(group) != "gloo":
+        return max(3 * step, min(timeout_s, 30.0))
+    return 3 * step
+
+
+def post(tag: str, value: str, group=None) -> None:
+    """Set this rank's ``value`` for ``tag`` in the store (``peek`` and ``exchange`` read it)."""
+    if is_initialized():
+        _store().set(f"zfunc/{tag}/{dist.get_rank()}", value)
+
+
+def peek(tag: str, group=None) -> list[str | None]:
+    """Each rank's value for ``tag`` posted so far (None where none yet), without waiting."""
+    if not is_initialized():
+        return []
+    store = _store()
+    return [store.get(f"zfunc/{tag}/{r}").decode() if store.check([f"zfunc/{tag}/{r}"]) else None
+            for r in _ranks(group)]
+
+
+def exchange(tag: str, value: str, group=None, timeout_s: float = 60.0, grace_s: float | None = None,
+             give_up=None) -> list[str | None]:
     """Every rank's ``value`` for ``tag``, through the default group's store, not a collective:
-    it works when collectives are stuck. A rank that does not post in time gives None."""
+    it works when collectives are stuck. A rank that does not post in time gives None; with
+    ``grace_s``, so does one that neither posts nor beats its heartbeat for that long (it is
+    stuck or dead), while one that beats (it waits in a collective) is waited for; once
+    ``give_up()`` is true, so do all that have not posted."""
     if not is_initialized():
         return [value]
-    store = dist.distributed_c10d._get_default_store()
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    store.set(f"zfunc/{tag}/{dist.get_rank()}", value)
-    out = []
-    for r in ranks:
-        key = f"zfunc/{tag}/{r}"
-        try:
-            store.wait([key], datetime.timedelta(seconds=timeout_s))
-            out.append(store.get(key).decode())
-        except (RuntimeError, dist.DistError):
-            out.append(None)
-    return out
+    store = _store()
+    ranks = _ranks(group)
+    me = dist.get_rank()
+    store.set(f"zfunc/{tag}/{me}", value)
+    out: dict[int, str | None] = {me: value}
+    end = time.monotonic() + timeout_s
+    step = 0.5 if grace_s is None else grace_s / 3
+    pause, beaten = 0.001, time.monotonic()  # look often at first: ranks that agree post together
+    while True:
+        for r in ranks:
+            if r not in out and store.check([f"zfunc/{tag}/{r}"]):
+                out[r] = store.get(f"zfunc/{tag}/{r}").decode()
+        waiting = [r for r in ranks if r not in out]
+        if not waiting:
+            break
+        if time.monotonic() >= end or (give_up is not None and give_up()):
+            out.update({r: None for r in waiting})
+            break
+        if time.monotonic() - beaten >= step:
+            beat(group, watch=grace_s is not None, step=step)
+            beaten = time.monotonic()
+            if grace_s is not None:
+                out.update({r: None for r in waiting if _liveness.quiet_for(r) >= grace_s})
+        time.sleep(pause)
+        pause = min(2 * pause, step)
+    return [out[r] for r in ranks]
+
 
 def init(backend: str | None = None) -> None:
     """Start the default process group from torchrun's environment, if any.
@@ -161,10 +334,11 @@ class Pending:
     in place of the division by ``divisor``.
     """
 
-    __slots__ = ("out", "work", "divisor", "keep", "finish")
+    __slots__ = ("out", "work", "divisor", "keep", "finish", "seq")
 
-    def __init__(self, out: torch.Tensor, work=None, divisor: int = 1, keep=None, finish=None):
+    def __init__(self, out: torch.Tensor, work=None, divisor: int = 1, keep=None, finish=None, seq=None):
         self.out, self.work, self.divisor, self.keep, self.finish = out, work, divisor, keep, finish
+        self.seq = seq  # its place in the step's collectives (the gate's count), if gated
 
     @property
     def done(self) -> bool:
@@ -173,7 +347,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
-            _wait(self.work)
+            _wait(self.work, self.seq)
             self.work = None
             if self.finish is None and self.divisor != 1:
                 self.out.div_(self.divisor)
@@ -201,8 +375,9 @@ def all_gather_start(shard: torch.Tensor, group=None, out: torch.Tensor | None =
     if w == 1:
         return Pending(shard)
     shard = shard.contiguous()
+    seq = _admit("all_gather", shard, group)
     out = buffers.take(shard.numel() * w, shard.dtype, shard.device) if out is None else out
-    return Pending(out, dist.all_gather_single(out, shard, group=group, async_op=True), keep=shard)
+    return Pending(out, dist.all_gather_single(out, shard, group=group, async_op=True), keep=shard, seq=seq)
 
 
 def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
@@ -210,7 +385,9 @@ def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
     w = world_size(group)
     if w == 1:
         return Pending(full)
-    return Pending(full, dist.all_gather_single(full, layout.shard(full, rank(group), w), group=group, async_op=True))
+    seq = _admit("all_gather", full, group)
+    return Pending(full, dist.all_gather_single(full, layout.shard(full, rank(group), w), group=group, async_op=True),
+                   seq=seq)
 
 
 def all_gather(shard: torch.Tensor, group=None) -> torch.Tensor:
@@ -232,6 +409,7 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
     if w == 1:
         return Pending(full)
     full = full.contiguous()
+    seq = _admit("reduce_scatter", full, group)
     shard_numel = layout.shard_numel(full.numel(), w)
     if scratch and dist.get_backend(group) == "gloo":
         out = buffers.empty(shard_numel, out_dtype or full.dtype, full.device)
@@ -246,9 +424,10 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
             del mine
             buffers.give(full)  # the caller gave it up (and no view of it is left): the next of its size reuses it
 
-        return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish)
+        return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish, seq=seq)
     out = buffers.empty(shard_numel, full.dtype, full.device)
-    return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full).cast(out_dtype)
+    return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full,
+                   seq=seq).cast(out_dtype)
 
 
 def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:
@@ -256,13 +435,15 @@ def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:
     w = world_size(group)
     if w == 1:
         return Pending(t)
-    return Pending(t, dist.all_reduce(t, group=group, async_op=True), w)
+    seq = _admit("all_reduce", t, group)
+    return Pending(t, dist.all_reduce(t, group=group, async_op=True), w, seq=seq)
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum over ranks, in place; returns ``t``."""
     if world_size(group) > 1:
-        _wait(dist.all_reduce(t, group=group, async_op=True))
+        seq = _admit("all_reduce", t, group)
+        _wait(dist.all_reduce(t, group=group, async_op=True), seq)
     return t
 
 
@@ -274,7 +455,8 @@ def all_reduce_mean(t: torch.Tensor, group=None) -> torch.Tensor:
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """Copy group rank ``src``'s ``t`` to every rank, in place; returns ``t``."""
     if world_size(group) > 1:
-        _wait(dist.broadcast(t, group_src=src, group=group, async_op=True))
+        seq = _admit("broadcast", t, group)
+        _wait(dist.broadcast(t, group_src=src, group=group, async_op=True), seq)
     return t
 
 

@@ -33,12 +33,13 @@ from .tree import Params
 class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
-    __slots__ = ("key", "index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers", "tracker",
-                 "uses", "pending", "full", "full_numel", "device", "store", "stored")
+    __slots__ = ("key", "name", "index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers",
+                 "tracker", "uses", "pending", "full", "full_numel", "device", "store", "stored")
 
     def __init__(self, key, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None, store=None,
-                 stored=None):
+                 stored=None, name: str = ""):
         self.key = key  # names the unit in the coordinator's trace: ("p" or "f", index)
+        self.name = name  # for errors, and part of its collectives' identity (zfunc.dist.labelled)
         self.index = index
         self.leaf = leaf
         self.ready = ready  # returns once the leaf's values are complete (Params.leaf_when_ready)
@@ -59,7 +60,13 @@ class _Unit:
 
     def _start(self) -> dist.Pending:
         source = self.leaf if self.stored is None else self.stored
-        return placement.materialize_start(self.place, source, self.group, self.ready, self.store)
+        with dist.labelled(self.name):
+            return placement.materialize_start(self.place, source, self.group, self.ready, self.store)
+
+    def wait(self, pending: dist.Pending) -> torch.Tensor:
+        """``pending``'s buffer (an all-gather after a read from disk is issued only now)."""
+        with dist.labelled(self.name):
+            return pending.wait()
 
     def can_prefetch(self) -> bool:
         """Whether a read ahead leaves the swap pool a buffer for on-demand reads."""
@@ -77,12 +84,12 @@ class _Unit:
             run.using(self)  # counts a hit or a miss, and prefetches what comes next
         self.prefetch()
         if self.pending is None:
-            return self._start().wait()
+            return self.wait(self._start())
         pending, self.pending = self.pending, None
         if run is None:
-            return pending.wait()
+            return self.wait(pending)
         with run.waiting():
-            return pending.wait()
+            return self.wait(pending)
 
     def give(self, buf: torch.Tensor) -> None:
         """Hand back a buffer materializing made: to the swap pool if it came from there."""
@@ -95,12 +102,20 @@ class _Unit:
             return self.leaf.dtype
         return self.place.reduce_dtype or self.leaf.dtype
 
+    def send_home_start(self, grad_full: torch.Tensor, out_dtype: torch.dtype | None = None) -> dist.Pending:
+        """Start reducing this unit's full gradient (given up) to its home form: an event of the
+        coordinator's pass first, so the ranks' reductions are kept in step as their gathers are."""
+        if self.tracker.run is not None and dist.world_size(self.group) > 1:
+            self.tracker.run.sending_home(self)
+        with dist.labelled(self.name):
+            return placement.send_home_start(self.place, grad_full, self.group, out_dtype=out_dtype)
+
     def reduce(self, grad_full: torch.Tensor) -> torch.Tensor | None:
         # grad_full is ours (Materialize's backward made it): it is reduced in place
         if self.tracker.sink is not None:  # accumulating: the sink takes it, autograd gets None
             self.tracker.sink.take(self, grad_full)
             return None
-        pending = placement.send_home_start(self.place, grad_full, self.group, out_dtype=self.anchor.dtype)
+        pending = self.send_home_start(grad_full, out_dtype=self.anchor.dtype)
         if pending.done:
             return pending.out
         if self.uses > 1:  # autograd will add this gradient to another: it must be final now
@@ -303,7 +318,7 @@ class Tracker:
             if unit.pending is not None:
                 pending, unit.pending = unit.pending, None
                 if not abandon:
-                    unit.give(pending.wait())
+                    unit.give(unit.wait(pending))
         for unit, buf in self.backward_cache.items():
             if unit.gathers:
                 unit.give(buf)
@@ -330,7 +345,7 @@ class Units:
         w = dist.world_size(group)
         store = swap.store_of(spec.swap)
         self.units = []
-        for i, (sharded, place) in enumerate(zip(spec.sharded, spec.placements)):
+        for i, (sharded, place, info) in enumerate(zip(spec.sharded, spec.placements, spec.model.units)):
             leaf, ready = params.leaf_when_ready(i)
             stored = leaf if swap.on_disk(leaf) else None
             leaf = leaf.detach()
@@ -342,16 +357,17 @@ class Units:
                 anchor.requires_grad_()
             elif differentiable:
                 leaf.requires_grad_()
+            name = ("frozen " if kind == "f" else "") + (info.name or "<root>")
             self.units.append(_Unit((kind, i), i, leaf, ready, place, spec.segment(i), group, tracker, anchor,
-                                    store if stored is not None else None, stored))
+                                    store if stored is not None else None, stored, name))
             for entry in spec.segment(i).entries:
                 tracker.by_name[entry.name] = self.units[-1]
         self.anchors = [u.anchor for u in self.units]
         tracker.units.extend(self.units)
         if tracker.run is not None:
-            for unit, info in zip(self.units, spec.model.units):
-                if unit.gathers and unit.leaf.numel():
-                    tracker.run.register(unit, ("frozen " if kind == "f" else "") + (info.name or "<root>"))
+            for unit in self.units:
+                if unit.leaf.numel():
+                    tracker.run.register(unit, unit.name)
         self.views: dict[int, dict[str, torch.Tensor]] = {}
         self.buffers: dict[int, torch.Tensor] = {}
         self.refs: dict[int, int] = {}

@@ -30,7 +30,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import placement
 from .grad import grad_spec
 from .optim import Optimizer, apply_update, fusing
 from .placement import CPU, Placement
@@ -66,7 +65,7 @@ class GradOffHome(abc.ABC):
             if left > 0:
                 return
             grad_full = self.partial.pop(i)
-        pending = placement.send_home_start(unit.place, grad_full, unit.group, out_dtype=unit.anchor.dtype)
+        pending = unit.send_home_start(grad_full, out_dtype=unit.anchor.dtype)
         unit.tracker.reducing(pending.then(lambda g: self._store(unit, g), pending.out))
 
     @abc.abstractmethod

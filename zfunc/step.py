@@ -116,14 +116,16 @@ class Step:
 
     @contextlib.contextmanager
     def _coordinated(self):
-        """A step's materializations follow its coordinator, and its collectives time out; a timeout
-        becomes the error that says where the ranks' orders differ."""
+        """A step's materializations follow its coordinator, which keeps its collectives in step
+        with the other ranks', and its collectives time out; a timeout, a departure from the agreed
+        order or a failed collective becomes the error that says where the ranks' orders differ,
+        or which rank did not arrive."""
         coordinator = self.coordinator()
         coordinator.begin_step()
-        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s, self.group):
             try:
                 yield coordinator
-            except dist.CollectiveTimeout as e:
+            except (dist.CollectiveTimeout, torch.distributed.DistError) as e:
                 coordinator.diverged(self.group, cause=e)
 
     @property
