@@ -245,7 +245,7 @@ class Saved:
         """``(rank file, key, lo, hi, at)``: elements ``[lo, hi)`` of a saved tensor that hold elements
         ``[at, at + hi - lo)`` of ``[start, start + n)`` of unit ``i``'s unpadded flat buffer."""
         lay, key = self.layouts[role][i], f"{role}#{i}"
-        if lay["numel"] == 0:  # a 0-d per-unit counter
+        if not self.files[0].entry(key)["shape"]:  # a 0-d per-unit counter
             return [(self.files[0], key, 0, 1, 0)]
         stop = min(start + n, lay["numel"])
         if not lay["sharded"]:
@@ -284,7 +284,7 @@ class Saved:
     def unit(self, role: str, i: int) -> torch.Tensor:
         """Unit ``i`` of the Params part ``role``: its whole unpadded flat buffer (or 0-d counter)."""
         lay = self.layouts[role][i]
-        shape = lay["numel"] if lay["numel"] else ()
+        shape = lay["numel"] if self.files[0].entry(f"{role}#{i}")["shape"] else ()
         return self.read_into(role, i, torch.empty(shape, dtype=dtype_of(lay["dtype"])))
 
     def tensor(self, role: str) -> torch.Tensor:
