@@ -194,3 +194,84 @@ def test_clip_under_nccl_on_cuda(tmp_path):
         assert state.params.sum_of_squares().is_cuda and torch.isfinite(metrics["loss"])
     finally:
         tdist.destroy_process_group()
+
+
+# ------------------------------------------------- a rank that stops or dies mid-training
+
+
+def _serve_once(rank: int, world: int, store: str, results, fn, args) -> None:
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results.put((rank, fn(rank, world, *args)))
+
+
+def _launch(fn, world: int, *args, answers: int, limit_s: float = 240.0) -> dict:
+    """``fn(rank, world, *args)`` in ``world`` fresh gloo processes (the shared workers cannot
+    outlive a rank that is stopped or killed); the first ``answers`` results by rank; every
+    process is killed after."""
+    import multiprocessing as mp
+    import queue
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = tempfile.mktemp(prefix="zfunc-gloo-")
+    procs = [ctx.Process(target=_serve_once, args=(r, world, store, results, fn, args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < answers:
+            try:
+                rank, value = results.get(timeout=limit_s)
+            except queue.Empty:
+                raise AssertionError(f"only ranks {sorted(out)} answered in {limit_s:g} s") from None
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.kill()  # a stopped process dies too
+            p.join()
+    return out
+
+
+def _last_rank_stops(rank: int, world: int, how: str, timeout: float):
+    """Two good steps, then the last rank stops (SIGSTOP: a stuck data loader) or dies (SIGKILL)
+    before its third; the others' third step raises."""
+    import os
+    import signal
+    import time
+
+    model = build("deep_mlp", d_in=3, width=8, depth=3, d_out=2)
+    step = _step(model, zf.zero3, collective_timeout=timeout)
+    state = step.init(model)
+    for _ in range(2):
+        state, _ = step(state, _batch())
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stopped" else signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        step(state, _batch())
+    except Exception as e:  # noqa: BLE001 - the test names the type it expects
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how, world):
+    """The ranks that wait raise RankUnresponsiveError naming the missing rank as stuck or dead,
+    within the collective timeout (a killed rank at once: its connections reset), not a
+    divergence of the units the ranks materialized."""
+    timeout = 4.0
+    answers = _launch(_last_rank_stops, world, how, timeout, answers=world - 1)
+    for rank, (kind, message, seconds) in answers.items():
+        assert kind == "RankUnresponsiveError", (rank, kind, message)
+        assert f"rank {world - 1} did not arrive" in message and "stuck" in message and "dead" in message, message
+        assert "materialized different units" not in message
+        assert seconds < timeout + 1.5, (rank, seconds)
+        if how == "killed":
+            assert "collective failed" in message, message
+    assert issubclass(zf.coordinator.RankUnresponsiveError, zf.RanksDivergedError)

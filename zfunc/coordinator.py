@@ -261,14 +261,17 @@ class Coordinator:
         missing = [r for r, p in enumerate(posted) if p is None]
         if missing:
             ranks = ", ".join(map(str, missing))
-            failed = (f"a collective failed ({str(cause).strip().splitlines()[0]})" if cause is not None
-                      and not isinstance(cause, dist.CollectiveTimeout) else
-                      f"a collective did not complete within {timeout:g} s")
+            failed = cause is not None and not isinstance(cause, dist.CollectiveTimeout)
+            s = "s" if len(missing) > 1 else ""
             raise RankUnresponsiveError(
-                f"rank{'s' if len(missing) > 1 else ''} {ranks} did not arrive: {failed}, and rank"
-                f"{'s' if len(missing) > 1 else ''} {ranks} neither reported nor waited in a collective: it may be "
-                "stuck (stopped, a hung data loader, a long computation outside the step) or dead; its own log "
-                "says which. The process group cannot be used after this: restart the job") from cause
+                f"rank{s} {ranks} did not arrive: "
+                + (f"a collective failed ({str(cause).strip().split('. ')[0]})" if failed else
+                   f"a collective did not complete within {timeout:g} s")
+                + f", and rank{s} {ranks} neither reported nor waited in a collective: "
+                + ("probably dead (or stuck: stopped, a hung data loader)" if failed else
+                   "stuck (stopped, a hung data loader, a long computation outside the step) or dead")
+                + "; its own log says which. The process group cannot be used after this: restart the job"
+            ) from cause
         if cause is not None and not isinstance(cause, dist.CollectiveTimeout):
             raise cause  # every rank is here: the failure is what it says
         orders = [p.split("\n") if p else [] for p in posted]

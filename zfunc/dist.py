@@ -34,6 +34,10 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the step's timeout (another rank is elsewhere)."""
 
 
+class CollectiveFailed(dist.DistBackendError):
+    """A collective failed (gloo: a peer's connection was reset or closed: that rank probably died)."""
+
+
 class OutOfStep(CollectiveTimeout):
     """The ranks' next collectives differ (found before any rank issued one that would not match)."""
 
@@ -120,7 +124,7 @@ def _wait(work, seq: int | None = None) -> None:
             return
         except RuntimeError as e:
             if "timed out" not in str(e).lower():
-                raise
+                raise e if isinstance(e, dist.DistError) else CollectiveFailed(str(e)) from e
         if end - time.monotonic() <= 0:
             raise CollectiveTimeout(
                 f"a collective did not complete within {seconds:g} s: another rank is not taking part in it "
@@ -219,7 +223,7 @@ def exchange(tag: str, value: str, group=None, timeout_s: float = 60.0, grace_s:
     out: dict[int, str | None] = {me: value}
     end = time.monotonic() + timeout_s
     step = 0.5 if grace_s is None else grace_s / 3
-    pause, beaten = 0.001, time.monotonic()  # look often at first: ranks that agree post together
+    pause, beaten = 0.001, 0.0  # look often at first: ranks that agree post together
     while True:
         for r in ranks:
             if r not in out and store.check([f"zfunc/{tag}/{r}"]):
