@@ -18,7 +18,7 @@ decides when the first one starts and whether the last one waits)::
 
 The first step through a ``Coordinator`` records the trace: every
 materialization that gathers or reads, forward and backward re-gathers alike,
-as (unit, elements). Later steps follow it: at each materialization, and when a
+as (unit, elements), and every reduction of a gradient over the ranks. Later steps follow it: at each materialization, and when a
 buffer is freed, the coordinator issues the next units' reads and all-gathers,
 up to ``prefetch_bucket_size`` elements ahead (default twice the largest unit,
 so memory stays at ZeRO-3's formula plus a few units), while the gathered and
@@ -47,7 +47,8 @@ events (materializations and gradient reductions) is kept in step:
   nothing more: it posts where it departed to the store; if every rank departed
   alike (control flow that agrees across ranks) they go on, checking; if not, a
   rank still waiting on a collective the departed rank will never issue sees the
-  post within a slice of its wait, and every rank raises;
+  post within a slice of its wait (gloo; elsewhere at the timeout), and every
+  rank raises;
 * the step's one all-reduce (zfunc.step) carries a fingerprint of the order.
 
 Every collective a step issues has a timeout (``collective_timeout``). On any of
@@ -185,8 +186,12 @@ class Coordinator:
         self.lockstep = False  # inside a step: collectives are kept in step with the other ranks'
         self.checking = False  # each collective is checked with the other ranks before it is issued
         self.issued = 0  # collectives this step has issued through the gate
+        self.posted: list[str] = []  # this rank's posts to the store in this step (forgotten at the next)
 
     def begin_step(self) -> None:
+        # every rank passed the last step's one all-reduce, so all have read what this one posted
+        dist.forget(self.posted)
+        self.posted = []
         self.runs = []
         self.step_id = next(_step_ids)
         self.lockstep = True
@@ -243,6 +248,10 @@ class Coordinator:
                                give_up=lambda: any(p is not None for p in dist.peek(f"{self.step_id}/order", group)))
         if len(set(posted)) > 1 or None in posted:
             raise dist.OutOfStep(f"this rank left the agreed order of units ({what}); the others did not alike")
+        # every rank left alike: its collectives go on (checked, so none is issued before every rank
+        # is past this point, and none is then taken for one the others will not issue)
+        dist.forget([f"{self.step_id}/left"])
+        self.posted.append(f"{self.step_id}/depart/{run.index}")
         self.checking = True
 
     # ------------------------------------------------------------- failures
@@ -255,9 +264,14 @@ class Coordinator:
         """
         mine = self.order()
         timeout = self.settings.timeout_s or 30.0
-        dist.post(f"{self.step_id}/left", str(self.issued), group)  # it issues nothing more
-        posted = dist.exchange(f"{self.step_id}/order", "\n".join(mine), group, timeout_s=2 * timeout,
-                               grace_s=dist.grace_s(timeout, group))
+        try:
+            dist.post(f"{self.step_id}/left", str(self.issued), group)  # it issues nothing more
+            posted = dist.exchange(f"{self.step_id}/order", "\n".join(mine), group, timeout_s=2 * timeout,
+                                   grace_s=dist.grace_s(timeout, group))
+        except (RuntimeError, OSError) as e:
+            raise RanksDivergedError(
+                f"the ranks could not compare their orders: the process group's store failed ({e}); the rank "
+                "that hosts it (rank 0 under torchrun's TCP store) may have died") from (cause or e)
         missing = [r for r, p in enumerate(posted) if p is None]
         if missing:
             ranks = ", ".join(map(str, missing))

@@ -198,6 +198,14 @@ def post(tag: str, value: str, group=None) -> None:
         _store().set(f"zfunc/{tag}/{dist.get_rank()}", value)
 
 
+def forget(tags) -> None:
+    """Remove this rank's posts for ``tags`` (once every rank has read them)."""
+    if is_initialized():
+        store = _store()
+        for tag in tags:
+            store.delete_key(f"zfunc/{tag}/{dist.get_rank()}")
+
+
 def peek(tag: str, group=None) -> list[str | None]:
     """Each rank's value for ``tag`` posted so far (None where none yet), without waiting."""
     if not is_initialized():
