@@ -3,6 +3,7 @@ DeepSpeed's save_checkpoint, side by side, on the anchor GPT at W = 2 (gloo, CPU
 
     python benchmarks/checkpoint.py                 # 3 repeats of each, then loads at W = 1 and 3
     python benchmarks/checkpoint.py --small         # smoke test
+    python benchmarks/checkpoint.py --tools zfunc   # zfunc alone, with its checksums' cost
 
 Each tool trains one step (so the optimizer state exists), then saves its full
 training state (weights and Adam moments) --repeats times and loads it back as
@@ -11,9 +12,12 @@ save ending with every file on disk (zfunc and DCP fsync; DeepSpeed's torch.save
 does not, which favours it). Then each tool loads the W = 2 checkpoint at W = 1
 and W = 3: zfunc and DCP reshard; DeepSpeed's ZeRO-3 checkpoint needs its
 universal-checkpoint conversion first, so that load is attempted and its error
-reported.
+reported. zfunc's saves and loads alternate with ones whose checksums are switched off
+in this benchmark only (no CRC computed on save, none verified on load), in the same
+processes: the difference is the checksums' cost.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -128,6 +132,27 @@ def setup(tool, args):
     return n, save, load
 
 
+@contextlib.contextmanager
+def without_checksums():
+    """zfunc's checkpoints without their CRCs: none computed on save (zeros stored), none verified on load."""
+    from zfunc import checkpoint_io
+
+    kept = checkpoint_io.checksums, checkpoint_io.RankFile.verify
+    checkpoint_io.checksums = lambda data: [0] * -(-data.numel() // checkpoint_io.CHUNK)
+    checkpoint_io.RankFile.verify = lambda self, key, start=0, stop=None: None
+    try:
+        yield
+    finally:
+        checkpoint_io.checksums, checkpoint_io.RankFile.verify = kept
+
+
+def unchecked(fn):
+    def run(*args):
+        with without_checksums():
+            fn(*args)
+    return run
+
+
 def timed(fn) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -147,8 +172,16 @@ def worker(args):
     root = os.path.join(args.dir, tool)
     out = {"tool": tool, "action": action, "world": dist.get_world_size(), "params": n}
     if action == "save_load":
-        out["save_s"] = [timed(lambda i=i: save(os.path.join(root, f"t{i}"))) for i in range(args.repeats)]
-        out["load_s"] = [timed(lambda i=i: load(os.path.join(root, f"t{i}"))) for i in range(args.repeats)]
+        out["save_s"], out["load_s"] = [], []
+        save_unchecked, load_unchecked = unchecked(save), unchecked(load)
+        for i in range(args.repeats):  # zfunc: alternating with its checksums off, for their cost
+            out["save_s"].append(timed(lambda: save(os.path.join(root, f"t{i}"))))
+            if tool == "zfunc":
+                out.setdefault("save_unchecked_s", []).append(timed(lambda: save_unchecked(f"{root}/u{i}")))
+        for i in range(args.repeats):
+            out["load_s"].append(timed(lambda: load(os.path.join(root, f"t{i}"))))
+            if tool == "zfunc":
+                out.setdefault("load_unchecked_s", []).append(timed(lambda: load_unchecked(f"{root}/u{i}")))
         out["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "t0"))
                            for f in fs)
     else:  # a resharded load of the W = 2 checkpoint
@@ -212,6 +245,14 @@ def main(args):
 
         print(f"| {TOOLS[tool]} | {save_s:.3f} | {ratio(save_s, 'save_s')} | {load_s:.3f} | {ratio(load_s, 'load_s')} | "
               f"{r['bytes'] / 1e6:.1f} | {reshard(1)} | {reshard(3)} |")
+    r = results.get(("zfunc", 2), {})
+    if r.get("save_unchecked_s"):
+        costs = []
+        for what in ("save", "load"):
+            on, off = med(r, f"{what}_s"), med(r, f"{what}_unchecked_s")
+            costs.append(f"{what} {on:.3f} s against {off:.3f} s without ({on / off - 1:+.0%})")
+        print(f"\nzfunc's checksums (zlib CRC-32 per 1 MiB, computed on save, verified on load), "
+              f"{r['bytes'] / 1e6:.1f} MB: " + ", ".join(costs))
 
 
 if __name__ == "__main__":
