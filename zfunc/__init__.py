@@ -8,7 +8,7 @@ This file is the map of the library: everything public is imported here.
 """
 from . import checkpoint, dist, optim, schedules, swap, testing
 from .accumulate import accumulate
-from .coordinator import OrderChangedWarning, RanksDivergedError
+from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDivergedError
 from .engine import Engine, RepeatingLoader, initialize
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, grad, value_and_grad
@@ -24,7 +24,7 @@ from .zero import set_units as units
 from .zero import zero1, zero2, zero3
 
 __all__ = [
-    "Engine", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "dist", "eval_step",
+    "Engine", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "dist", "eval_step",
     "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

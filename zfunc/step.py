@@ -116,17 +116,10 @@ class Step:
 
     @contextlib.contextmanager
     def _coordinated(self):
-        """A step's materializations follow its coordinator, which keeps its collectives in step
-        with the other ranks', and its collectives time out; a timeout, a departure from the agreed
-        order or a failed collective becomes the error that says where the ranks' orders differ,
-        or which rank did not arrive."""
-        coordinator = self.coordinator()
-        coordinator.begin_step()
-        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s, self.group):
-            try:
-                yield coordinator
-            except (dist.CollectiveTimeout, torch.distributed.DistError) as e:
-                coordinator.diverged(self.group, cause=e)
+        """A whole step's materializations and collectives, as one part (``continuing``)."""
+        self.coordinator().begin_step()
+        with self.continuing() as coordinator:
+            yield coordinator
 
     @property
     def group(self):
@@ -272,13 +265,15 @@ class Step:
 
     @contextlib.contextmanager
     def continuing(self):
-        """Run a part of the step ``begin`` started: materializations follow the coordinator and
-        collectives time out, a timeout naming where the ranks' orders differ (as in ``__call__``)."""
+        """Run a part of the step ``begin`` started. Materializations follow the coordinator, which
+        keeps the collectives in step with the other ranks', and collectives time out; a timeout, a
+        departure from the agreed order or a failed collective becomes the error that says where
+        the ranks' orders differ, or which rank did not arrive."""
         coordinator = self.coordinator()
-        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s):
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s, self.group):
             try:
                 yield coordinator
-            except dist.CollectiveTimeout as e:
+            except (dist.CollectiveTimeout, torch.distributed.DistError) as e:
                 coordinator.diverged(self.group, cause=e)
 
     def apply_gradients(self, state: State, out: GradOut, buffers: dict, io_before=None) -> tuple[State, dict]:
