@@ -327,7 +327,10 @@ class Tracker:
         self.current = 0
         # the units point back here: without these references the step's buffers and the
         # sink's sums go as soon as the caller drops them, not at the next garbage collection
-        self.units, self.by_name, self.sink = [], {}, None
+        # (the coordinator's pass holds the units too)
+        self.units, self.by_name, self.sink, self.run = [], {}, None, None
+        self.starts.clear()
+        self.backward_started.clear()
 
 
 class Units:
