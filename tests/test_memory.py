@@ -77,21 +77,10 @@ def garbage_cycles_per_step(mode: str, width: int = 32, depth: int = 4) -> int:
     import shutil
     import tempfile
 
-    from torch import nn
-
     import zfunc as zf
+    from models import DeepMLP
 
-    class Blocks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = torch.tanh(block(x))
-            return x
-
-    model = Blocks()
+    model = DeepMLP(width, width, depth, width)
     batch = (torch.randn(8, width), torch.randn(8, width))
 
     def loss_fn(params, b):
