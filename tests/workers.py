@@ -18,8 +18,9 @@ import traceback
 TIMEOUT_S = 180
 
 
-def _serve(rank: int, world: int, store_path: str, inbox, outbox) -> None:
+def _serve(rank: int, world: int, store_path: str, inbox, outbox, env: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.update(env)  # before torch reads it (e.g. TORCH_FR_BUFFER_SIZE, read when the group is made)
     import torch
     import torch.distributed as dist
 
@@ -38,8 +39,9 @@ def _serve(rank: int, world: int, store_path: str, inbox, outbox) -> None:
 
 
 class WorkerGroup:
-    def __init__(self, world: int):
+    def __init__(self, world: int, env: dict | None = None):
         self.world = world
+        self.env = dict(env or {})
         self._start()
 
     def _start(self) -> None:
@@ -49,7 +51,7 @@ class WorkerGroup:
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.procs = [
-            ctx.Process(target=_serve, args=(r, self.world, store, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(target=_serve, args=(r, self.world, store, self.inboxes[r], self.outbox, self.env), daemon=True)
             for r in range(self.world)
         ]
         for p in self.procs:
@@ -102,10 +104,11 @@ def workers(world: int) -> WorkerGroup:
 
 
 class fresh_workers:
-    """``with fresh_workers(world) as group:`` new processes, closed after (for peak-memory checks)."""
+    """``with fresh_workers(world) as group:`` new processes, closed after (for peak-memory checks);
+    ``env``: environment variables the processes set before torch starts."""
 
-    def __init__(self, world: int):
-        self.group = WorkerGroup(world)
+    def __init__(self, world: int, env: dict | None = None):
+        self.group = WorkerGroup(world, env)
 
     def __enter__(self) -> WorkerGroup:
         return self.group
