@@ -23,8 +23,6 @@ inside the ZeRO stage: ``zero3(offload_cpu(mixed_precision(f)))``.
 """
 from __future__ import annotations
 
-import abc
-
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -34,43 +32,10 @@ from .grad import grad_spec
 from .optim import Optimizer, apply_update, fusing
 from .placement import CPU, Placement
 from .pytree import tree_leaves, tree_map
-from .step import Step
+from .sinks import GradOffHome, with_grad_sink
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
 from .tree import Params
-
-
-class GradOffHome(abc.ABC):
-    """A grad sink (see zfunc.accumulate) that sends each unit's gradient home the moment autograd
-    is done with the unit and hands the reduced gradient to ``_store`` (a host copy, a swap
-    file). A unit used more than once in forward has its gradients added first, as autograd would."""
-
-    def __init__(self, spec):
-        self.spec = spec  # the gradients' ParamsSpec
-        self.left: dict[int, int] = {}  # unit -> backward calls still to come
-        self.partial: dict[int, torch.Tensor] = {}  # a unit used more than once: its gradient so far
-
-    def takes_parts(self, unit) -> bool:
-        """Never: each unit's gradient goes home as one flat buffer (``take``)."""
-        return False
-
-    def take(self, unit, grad_full: torch.Tensor) -> None:
-        i = unit.index
-        left = self.left.get(i, unit.uses) - 1
-        self.left[i] = left
-        if left > 0 or i in self.partial:
-            if i in self.partial:
-                self.partial[i].add_(grad_full)
-            else:
-                self.partial[i] = grad_full
-            if left > 0:
-                return
-            grad_full = self.partial.pop(i)
-        pending = unit.send_home_start(grad_full, out_dtype=unit.anchor.dtype)
-        unit.tracker.reducing(pending.then(lambda g: self._store(unit, g), pending.out))
-
-    @abc.abstractmethod
-    def _store(self, unit, g: torch.Tensor) -> None:
-        """Take unit ``unit``'s reduced gradient ``g`` home."""
 
 
 class GradToHost(GradOffHome):
@@ -171,24 +136,6 @@ class Offload(Transform):
         return with_grad_sink(grad_fn, sink)
 
 
-def with_grad_sink(grad_fn, make_sink):
-    """``grad_fn`` handing each unit's gradient to ``make_sink(params)`` (a ``GradOffHome``; None:
-    autograd's own way), whose ``finish()`` gives the step its gradients. Under ``accumulate``
-    its own sink is used instead: inside, it hands one per micro-batch; outside, it passes one in."""
-    if getattr(grad_fn, "accumulates", False):
-        return grad_fn
-
-    def run(params, batch, *, sink=None, **kw):
-        if sink is None:
-            sink = make_sink(params)
-            if sink is not None:
-                out = grad_fn(params, batch, sink=sink, **kw)
-                return out._replace(grads=sink.finish())
-        return grad_fn(params, batch, sink=sink, **kw)
-
-    return run
-
-
 def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
 
@@ -196,6 +143,5 @@ def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:
     run asynchronously. Write it inside the ZeRO stage and outside
     ``mixed_precision``: ``zero3(offload_cpu(mixed_precision(f)))``.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"offload_cpu transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "offload_cpu")
     return step.then(Offload(pin_memory))

@@ -52,12 +52,13 @@ from . import dist, layout, swap
 from .buffers import trim as trim_heap
 from .coordinator import prefetch_settings
 from .grad import grad_spec
-from .offload import GradOffHome, with_grad_sink
 from .ops import cpu_adam
 from .optim import GradInfo, Optimizer, apply_update, fusing
 from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
 from .pytree import NAMESPACE, register_node
-from .step import Step
+from .sinks import GradOffHome, with_grad_sink
+from .state import master_weights
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
 from .tree import Params
 
@@ -67,6 +68,7 @@ class SwapState:
     placeholders of swap files, and the store that owns the files (static data)."""
 
     __slots__ = ("store", "inner")
+    _fields = ("inner",)  # its one child: the inner optimizer's state (zfunc.state.wrapper_role)
 
     def __init__(self, store: swap.SwapStore, inner: Any):
         self.store, self.inner = store, inner
@@ -109,15 +111,6 @@ def _kinds(tree) -> dict[int, str]:
 def _empty(like: torch.Tensor) -> torch.Tensor:
     """What a unit outside the sub-group looks like to the optimizer: no elements."""
     return torch.empty(0, dtype=like.dtype)
-
-
-def _has_master(state) -> bool:
-    """Whether the inner state keeps fp32 master weights (then parameters are only written)."""
-    from .precision import MixedPrecisionState
-
-    return any(isinstance(n, MixedPrecisionState)
-               for n in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, (MixedPrecisionState, Params)),
-                                           namespace=NAMESPACE))
 
 
 def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[int]]:
@@ -194,7 +187,7 @@ class _Update:
         self.nodes, self.treedef = _flatten(opt_state.inner)
         self.pnodes = [k for k, n in enumerate(self.nodes) if isinstance(n, Params)]
         self.final = {k: list(self.nodes[k].leaves) for k in self.pnodes}
-        self.read_params = not _has_master(opt_state.inner)
+        self.read_params = master_weights(opt_state.inner) is None  # else parameters are only written
         live = [i for i, g in enumerate(self.g) if g is not None and self.p[i].numel()]
         self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, sub_group_size)
 
@@ -494,8 +487,7 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     are read from disk (then gathered) ahead of use along the recorded order.
     Settings given to the outermost transform that has any win.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"offload_nvme transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "offload_nvme")
     if path is None or not str(path):
         raise ValueError("offload_nvme needs path=, a folder on a fast local disk for the swap files")
     for key, value in (("buffer_count", buffer_count), ("buffer_size", buffer_size),

@@ -15,6 +15,7 @@ with ``1/micro_batches`` folded into the scale, as ``accumulate`` does.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -22,9 +23,10 @@ from typing import Iterator
 
 import torch
 
-from . import dist, lazy, schedules as S
-from .accumulate import GradSink
+from . import checkpoint, dist, lazy, schedules as S
+from .compose import build_optimizer, compose, current_lr
 from .grad import apply, grad_spec, materialized
+from .sinks import GradSink
 from .optim import GradInfo, apply_update
 from .ops import cpu_adam
 from .pipeline import PipelineModule, make_grid
@@ -113,15 +115,13 @@ class PipelineEngine:
     """``zf.initialize(PipelineModule(...), config)``: train_batch / eval_batch over the pipeline."""
 
     def __init__(self, pipe: PipelineModule, cfg, *, optimizer=None, lr_scheduler=None):
-        from .engine import _optimizer, compose
-
         self._check_config(cfg)
         self.config, self.pipe = cfg, pipe
         self.schedule_name = pipe.schedule
         self.grid = grid = make_grid(pipe)
         self.module = pipe.build(grid.stage)
         self._tie_initial_weights()
-        opt, self.schedule = _optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.schedule = build_optimizer(cfg, optimizer, lr_scheduler)
 
         def no_loss(params, batch):  # the interpreter drives forward and backward itself
             raise RuntimeError("a pipeline stage's step is driven by its schedule, not called")
@@ -386,17 +386,11 @@ class PipelineEngine:
         return gather_params(self.state)
 
     def get_lr(self) -> list[float]:
-        from .engine import current_lr
-
         return current_lr(self.config, self.schedule, self.state)
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state=None) -> str:
         """Each stage's state under ``save_dir/stage{s}``; loadable at another data-parallel size
         and at another pipeline shape (``load_checkpoint``)."""
-        import os
-
-        from . import checkpoint
-
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         extra = {"engine": {"global_steps": self.global_steps, "global_samples": self.global_samples},
                  "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts, "layers": len(self.pipe.layers)},
@@ -408,10 +402,6 @@ class PipelineEngine:
         return folder
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None):
-        import os
-
-        from . import checkpoint
-
         folder = os.path.join(load_dir, f"stage{self.grid.stage}")
         first = checkpoint.Saved(checkpoint.resolve(os.path.join(load_dir, "stage0"), tag))
         saved = first.manifest.get("pipeline", {})
@@ -430,10 +420,6 @@ class PipelineEngine:
 
     def _reshaped(self, load_dir: str, tag, saved: dict, first):
         """``checkpoint.load``'s sources for a checkpoint cut into other stages."""
-        import os
-
-        from . import checkpoint
-
         if self.state.buffers:
             raise ValueError("loading a pipeline checkpoint at another pipeline shape with module buffers is not "
                              "supported yet")

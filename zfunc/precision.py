@@ -28,7 +28,7 @@ from .loss_scale import LossScaler, as_scaler
 from .optim import Optimizer, apply_update, fusing
 from .placement import Placement
 from .pytree import tree_map
-from .step import Step
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -135,8 +135,7 @@ def mixed_precision(step: Step, dtype: torch.dtype = torch.bfloat16, *, loss_sca
     of buffers and frozen parameters (or a predicate on them) that stay in their
     own dtype. Write it inside the ZeRO stage: ``zero3(mixed_precision(f))``.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"mixed_precision transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "mixed_precision")
     if dtype not in _LOW:
         raise ValueError(f"mixed_precision: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     if not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):

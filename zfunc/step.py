@@ -40,7 +40,7 @@ from .ops import cpu_adam
 from .optim import GradInfo, apply_update
 from .placement import NVME, Placement
 from .state import State
-from .transform import Transform
+from .transform import Transform, Units
 from .tree import Params, ParamsSpec, build_spec
 from .unit_init import unit_buffers
 
@@ -443,13 +443,23 @@ def train_step(loss_fn: Callable, optimizer, *, has_aux: bool = False, units=Non
     unit; the state is left as it was) or ``"skip"`` (no update that step;
     ``metrics["skipped"]``).
     """
-    from .zero import set_units
-
     return set_units(Step(loss_fn, optimizer, has_aux=has_aux, nonfinite=nonfinite), units)
 
 
 def eval_step(loss_fn: Callable, *, has_aux: bool = False, units=None) -> EvalStep:
     """Evaluate ``loss_fn`` on a state; compose with the same transforms as the train step."""
-    from .zero import set_units
-
     return set_units(EvalStep(loss_fn, has_aux=has_aux), units)
+
+
+def set_units(step: Step, policy) -> Step:
+    """The unit policy for every transform of ``step`` (see ``zf.zero3``'s ``units``)."""
+    expect_step(step, "units")
+    if policy is None or step.units is policy or step.units == policy:
+        return step
+    return step.then(Units(policy))
+
+
+def expect_step(step, transform: str) -> None:
+    """What every transform function checks first: ``step`` is a zfunc Step."""
+    if not isinstance(step, Step):
+        raise TypeError(f"{transform} transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
