@@ -31,6 +31,7 @@ from .transform import Transform, check_inside_zero
 class Accumulate(Transform):
     family = "accumulate"
     shapes_state = False
+    accumulates = True
 
     def __init__(self, n: int):
         self.n = n

@@ -238,8 +238,8 @@ class _Window:
 
     def __init__(self, step: Step, state):
         self.start = time.perf_counter()
-        self.buffers = step.begin(state)
-        self.io_before = swap.io_counts(state)
+        self.started = step.begin(state)
+        self.buffers = self.started.buffers
         scaler = step.loss_scaler
         self.scale = None if scaler is None else float(state.loss_scale.scale)
         self.sums = _StepSums(grad_spec(state.params.spec))
@@ -435,7 +435,7 @@ class Engine:
         out = GradOut(torch.stack(window.losses).mean(), None, grads, window.peak,
                       (1.0 if window.scale is None else 1.0 / window.scale) / self.gradient_accumulation_steps,
                       window.prefetch)
-        self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.buffers, window.io_before)
+        self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)
 

@@ -30,7 +30,7 @@ import torch
 
 from .grad import grad_spec
 from .optim import Optimizer, apply_update, fusing
-from .placement import CPU, Placement
+from .placement import CPU, DEVICE, Placement
 from .pytree import tree_leaves, tree_map
 from .sinks import GradOffHome, with_grad_sink
 from .step import Step, expect_step
@@ -121,6 +121,14 @@ class Offload(Transform):
 
     def wrap_optimizer(self, optimizer):
         return host_optimizer(optimizer, self._pin)
+
+    def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
+        """To the CPU: a host copy (pinned where CUDA exists); to DEVICE: onto ``device``."""
+        if to == CPU:
+            return to_host(leaf, self._pin)
+        if to == DEVICE and device is not None:
+            return leaf.to(device, non_blocking=self._pin)
+        return leaf
 
     @property
     def _pin(self) -> bool:

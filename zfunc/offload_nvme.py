@@ -54,7 +54,7 @@ from .coordinator import prefetch_settings
 from .grad import grad_spec
 from .ops import cpu_adam
 from .optim import GradInfo, Optimizer, apply_update, fusing
-from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
+from .placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
 from .pytree import NAMESPACE, register_node
 from .sinks import GradOffHome, with_grad_sink
 from .state import master_weights
@@ -412,14 +412,45 @@ class OffloadNvme(Transform):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
                                                                  grad_spec(params.spec)))
 
-    def open_store(self, step: Step, spec, places, group) -> swap.SwapStore:
+    @property
+    def keeps_params_on_disk(self) -> bool:
+        return self.params
+
+    def check_state(self, state) -> None:
+        swap.check_state(state)
+
+    def begin_step(self, state):
+        return swap.io_counts(state)
+
+    def step_metrics(self, state, begun) -> dict:
+        """``nvme``: this step's disk traffic (bytes) and the pool's use."""
+        if begun is None:
+            return {}
+        after = swap.io_counts(state)
+        return {"nvme": {k: after[k] - begun[k] if k.startswith("bytes") else after[k] for k in after}}
+
+    def grad_stats(self, g: torch.Tensor) -> tuple[float, bool] | None:
+        return swap.grad_stats(g) if swap.on_disk(g) else None
+
+    def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
+        """Off the disk: the leaf's values read into memory (onto ``device`` for DEVICE). Onto it: a
+        leaf goes there at init (``init_home``); one already there stays."""
+        if swap.on_disk(leaf) and to != NVME:
+            values = swap.load(leaf)
+            return values.to(device) if to == DEVICE and device is not None else values
+        if to == NVME and not swap.on_disk(leaf):
+            raise NotImplementedError("offload_nvme writes a unit's leaves to their swap files at init; moving "
+                                      "a leaf onto the disk later is not supported yet")
+        return leaf
+
+    def init_home(self, step: Step, spec, places, group) -> "_DiskHome":
         """At ``Step.init``: the state's swap folder, its free-space check and its gradient files."""
         if dist.device_of(group).type != "cpu":
             raise NotImplementedError("offload_nvme runs on CPU process groups (gloo) today; on CUDA use "
                                       "offload_cpu")
         w, r = dist.world_size(group), dist.rank(group)
-        accumulates = step._transform("accumulate") is not None
-        per_elem = _optimizer_bytes_per_element(step._update_part(below=self))
+        accumulates = step.accumulates
+        per_elem = _optimizer_bytes_per_element(step.update_part(below=self))
         sizes, need = [], 0
         on_disk = []  # (elements, bytes, unit name) of each parameter file read into the pool
         for i, (unit, place) in enumerate(zip(spec.units, places)):
@@ -453,7 +484,28 @@ class OffloadNvme(Transform):
             if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
                 dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
                 store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
-        return store
+        return _DiskHome(store, r)
+
+
+class _DiskHome:
+    """``Step.init``'s leaves of units whose parameters live on disk, written as they are made
+    (``Transform.init_home``)."""
+
+    def __init__(self, store: swap.SwapStore, rank: int):
+        self.store, self.key, self.rank = store, store.key, rank
+
+    def keep(self, i: int, unit, place: Placement, leaf: torch.Tensor, frozen: bool) -> torch.Tensor:
+        if place.param_home != NVME or not leaf.numel():
+            return leaf
+        start = self.rank * leaf.numel() if place.params_sharded else 0
+        if not frozen:  # the optimizer's init reads these values back once
+            return self.store.stage(i, unit.name, leaf, place.param_dtype or leaf.dtype, start)
+        stored = leaf.to(place.frozen_dtype or leaf.dtype)  # frozen: written once, in their stored dtype
+        return self.store.put(i, unit.name, "frozen", stored, start)
+
+    def finish(self) -> None:
+        self.store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
+        trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -81,6 +81,10 @@ class MixedPrecision(Transform):
         frozen_dtype = None if kept else (self.dtype if unit.frozen.dtype.is_floating_point else None)
         return replace(p, param_dtype=self.dtype, frozen_dtype=frozen_dtype, reduce_dtype=self.reduce_dtype)
 
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        return self.scaler
+
     def cast_buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and not self.keep(name):
             return t.to(self.dtype)

@@ -47,7 +47,7 @@ class Zero(Transform):
         for t in inner:
             if t.family == "zero":
                 raise ValueError(f"this step is already ZeRO stage {t.stage}; apply one of zero1/zero2/zero3, once")
-            if self.stage in (1, 2) and getattr(t, "params", False) is True and t.name == "offload_nvme":
+            if self.stage in (1, 2) and t.keeps_params_on_disk:
                 raise ValueError(
                     f"zero{self.stage} keeps the full parameters on every rank, so they cannot live on NVMe: "
                     f"write zero{self.stage}(offload_nvme(f, path, params=False)) to offload gradients and "
