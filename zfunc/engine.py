@@ -19,9 +19,6 @@ zfunc.checkpoint's, with the engine's counters, the config and the model's
 """
 from __future__ import annotations
 
-import os
-import resource
-import sys
 import time
 import weakref
 from collections.abc import Mapping
@@ -33,7 +30,8 @@ from torch import nn
 from . import checkpoint, dist, lazy, swap
 from .compose import build_optimizer, compose, current_lr
 from .sinks import GradSink, Sink
-from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized
+from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
+from .loop import Loop
 from .materialize import Materialize
 from .state import gather_params
 from .step import Step, eval_step, train_step
@@ -114,15 +112,8 @@ def _the_loss(out) -> torch.Tensor:
             f"the model returned {type(out).__name__}, not a loss: without loss_fn the model must compute its "
             "own loss (a tensor, an output with .loss, or a tuple starting with it); or pass "
             "loss_fn=lambda model, batch: ... to zf.initialize")
-    if value.numel() != 1:
-        raise ValueError(f"the loss must be a single number, got a tensor of shape {tuple(value.shape)}: if the "
-                         "model returns outputs rather than its loss, pass loss_fn=lambda model, batch: ...")
-    return value.reshape(())
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return scalar_loss(value, "the model's loss must be", ": if the model returns outputs rather than its loss, "
+                       "pass loss_fn=lambda model, batch: ...", ValueError)
 
 
 def _tokens(batch) -> int:
@@ -261,7 +252,7 @@ class _Window:
         self.close([p for p in self.passes if p.orphaned], _Unfinished())
 
 
-class Engine:
+class Engine(Loop):
     """Owns the model's state and the composed step; see the module docstring."""
 
     def __init__(self, model: nn.Module, cfg, *, loss_fn=None, optimizer=None, lr_scheduler=None):
@@ -278,13 +269,9 @@ class Engine:
         self._forward_fn = model_forward(model, loss_fn)
         self._loss_fn = loss_fn
         self.state = self.step_fn.init(model)
-        self.global_steps = 0
-        self.global_samples = 0
+        self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
         self._window: _Window | None = None  # the imperative style's step in progress
-        self._last_print = time.perf_counter()
-        self._tokens_since_print = 0
-        self.last_metrics: dict = {}
 
     # ------------------------------------------------------------------- batches
 
@@ -292,23 +279,12 @@ class Engine:
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.micro_batch_size
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+    COUNTERS = Loop.COUNTERS + ("micro_steps",)
 
     def _pull(self, data_iter: Iterator) -> list:
         if data_iter is None:
             raise ValueError("train_batch needs data_iter: an iterator over micro-batches (e.g. iter(RepeatingLoader(loader)))")
-        batches = []
-        for _ in range(self.gradient_accumulation_steps):
-            try:
-                batches.append(next(data_iter))
-            except StopIteration:
-                raise StopIteration(
-                    f"data_iter ended after {len(batches)} of the {self.gradient_accumulation_steps} micro-batches of "
-                    "a step; wrap the loader in zf.RepeatingLoader to cycle it") from None
-        return batches
-
+        return self._next_micro_batches(data_iter)
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step on the next ``gradient_accumulation_steps`` micro-batches; the mean loss."""
         self._no_step_in_progress("train_batch")
@@ -319,13 +295,6 @@ class Engine:
         self.micro_steps += len(micro)
         self._stepped(metrics, sum(_tokens(b) for b in micro) * self.world, time.perf_counter() - start)
         return metrics["loss"]
-
-    def _stepped(self, metrics: dict, tokens: int, seconds: float) -> None:
-        self.last_metrics = metrics
-        self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
-        self._tokens_since_print += tokens
-        self._report(metrics, seconds)
 
     def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
         """The mean loss over the next ``gradient_accumulation_steps`` micro-batches; no update."""
@@ -388,9 +357,7 @@ class Engine:
         ``1/gradient_accumulation_steps`` (and fp16's loss scale, unscaled in the update), until the
         ``step()`` at the accumulation boundary. Returns ``loss / gradient_accumulation_steps``.
         """
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise TypeError(f"engine.backward takes a scalar loss tensor, got {type(loss).__name__}"
-                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        scalar_loss(loss, "engine.backward takes")
         window = self._window
         if window is not None:
             window.close_orphans()
@@ -456,57 +423,21 @@ class Engine:
 
     # ------------------------------------------------------------------ reading
 
-    def params(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights keyed like ``model.named_parameters()``, on every rank."""
-        return gather_params(self.state)
-
-    def get_lr(self) -> list[float]:
-        return current_lr(self.config, self.schedule, self.state)
-
-    @property
-    def loss_scale(self) -> float | None:
-        return None if self.state.loss_scale is None else float(self.state.loss_scale.scale)
-
     # ------------------------------------------------------------------ logging
 
-    def _report(self, metrics: dict, seconds: float) -> None:
-        every = self.config.steps_per_print
-        if self.rank != 0 or not every:
-            return
-        if sys.stderr.isatty():
-            total = (self.config.scheduler or {}).get("params", {}).get("total_num_steps")
-            done = f"{self.global_steps}/{total}" if total else f"{self.global_steps}"
-            bar = ""
-            if total:
-                filled = int(30 * min(self.global_steps, total) / total)
-                bar = "[" + "#" * filled + "." * (30 - filled) + "] "
-            sys.stderr.write(f"\r{bar}{done} loss {float(metrics['loss']):.4f}")
-            sys.stderr.flush()
-        if self.global_steps % every:
-            return
-        now = time.perf_counter()
-        rate = self._tokens_since_print / max(now - self._last_print, 1e-9)
-        self._last_print, self._tokens_since_print = now, 0
-        parts = [f"step {self.global_steps}", f"loss {float(metrics['loss']):.4f}"]
-        lr = self.get_lr()
-        if lr:
-            parts.append(f"lr {lr[0]:.3e}")
-        if "loss_scale" in metrics:
-            parts.append(f"loss scale {metrics['loss_scale']:g}")
-        parts.append(f"{rate:,.0f} tokens/s")
-        parts.append(f"rss {_rss_bytes() / 1e9:.2f} GB (peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f})")
+    def _report_parts(self, metrics: dict, seconds: float) -> list[str]:
+        parts = [f"loss scale {metrics['loss_scale']:g}"] if "loss_scale" in metrics else []
+        parts += self._rate_and_memory()
         if self.config.wall_clock_breakdown:
             parts.append(f"step {seconds * 1e3:.0f} ms")
-        prefix = "\n" if sys.stderr.isatty() else ""
-        print(prefix + " | ".join(parts), file=sys.stderr, flush=True)
+        return parts
 
     # -------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Every rank calls it; returns the checkpoint's folder (zfunc.checkpoint)."""
         tag = tag if tag is not None else f"global_step{self.global_steps}"
-        extra = {"engine": {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                            "micro_steps": self.micro_steps},
+        extra = {"engine": self._counters(),
                  "scheduler": {"last_step": int(self.state.count)},
                  "config": self.config.raw, "state_dict_keys": self.state_dict_keys,
                  "client_state": client_state or {}}
@@ -517,10 +448,7 @@ class Engine:
         self._no_step_in_progress("load_checkpoint")
         folder = checkpoint.resolve(load_dir, tag)
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
-        counters = manifest.get("engine", {})
-        self.global_steps = counters.get("global_steps", int(self.state.count))
-        self.global_samples = counters.get("global_samples", 0)
-        self.micro_steps = counters.get("micro_steps", 0)
+        self._restore_counters(manifest)
         return folder, manifest.get("client_state", {})
 
     def close(self) -> None:
@@ -528,7 +456,7 @@ class Engine:
         if self._window is not None:
             self._window, window = None, self._window
             window.close(list(window.passes), _Unfinished())
-        self.state.close()
+        super().close()
 
 
 def _reduce_whole(grads: Params, group) -> None:
