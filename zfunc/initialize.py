@@ -15,7 +15,7 @@ def initialize(model: nn.Module, config, *, loss_fn: Callable | None = None, opt
                lr_scheduler: Callable | None = None, model_parameters=None) -> Engine:
     """An ``Engine`` for ``model`` from a DeepSpeed-style ``config`` (a dict or a JSON path).
 
-    ``loss_fn(model, batch)``: see ``model_loss``. ``optimizer``: a zfunc optimizer
+    ``loss_fn(model, batch)``: see ``zfunc.engine.model_loss``. ``optimizer``: a zfunc optimizer
     (``zf.optim.adamw(...)``) instead of the config's ``optimizer`` section;
     ``lr_scheduler``: a schedule ``step -> lr`` for the config's optimizer.
     ``model_parameters`` is accepted for DeepSpeed's signature and ignored (every

@@ -50,7 +50,7 @@ class GradToHost(GradOffHome):
         self.copied = False
 
     def _store(self, unit, g: torch.Tensor) -> None:
-        host = to_host(g, self.pin)
+        host = to_host(g, self.pin) if unit.place.grad_home == CPU else g
         self.copied |= host is not g
         self.grads[unit.index] = host
 
@@ -136,7 +136,8 @@ class Offload(Transform):
 
     def wrap_grad(self, grad_fn):
         def sink(params):
-            on_host = all(t is None or t.device.type == "cpu" for t in params.leaves)
+            on_host = all(t is None or t.device.type == "cpu" or p.grad_home != CPU
+                          for t, p in zip(params.leaves, params.spec.placements))
             if on_host and not self.copy_early_on_host:  # nothing to copy: autograd hands them on
                 return None
             return GradToHost(grad_spec(params.spec), self._pin)

@@ -151,7 +151,7 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
                 if not isinstance(node, Params):
                     continue
                 t = node.leaves[i]
-                if store.to_disk_opt and t.dim() == 1 and t.numel():
+                if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel():
                     placeholder = store.create(i, params.spec.model.units[i].name, kinds[k], t.numel(), t.dtype,
                                                store.offsets[i])
                     store.write_now(t, placeholder)
@@ -478,7 +478,6 @@ class OffloadNvme(Transform):
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
                                buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0))
         store.reserve(need)
-        store.to_disk_opt = self.optimizer
         store.offsets = [s[3] for s in sizes]
         for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
             if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
