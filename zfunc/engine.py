@@ -129,7 +129,7 @@ def _tokens(batch) -> int:
 
 
 class _StepSums(GradSink):
-    """The gradient sums of an imperative step (zfunc.accumulate's ``GradSink``), noting which
+    """The gradient sums of an imperative step (zfunc.sinks's ``GradSink``), noting which
     passes each backward reached (the trackers of the units whose gradients it took)."""
 
     def __init__(self, spec):

@@ -37,7 +37,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
 (or no stage at all): zero1/2 keep full parameters on every rank. Under
 ``accumulate`` the gradient files hold the fp32 sums between micro-batches
-(zfunc.accumulate's ``GradSink``).
+(zfunc.sinks's ``GradSink``).
 """
 from __future__ import annotations
 

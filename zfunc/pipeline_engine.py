@@ -6,7 +6,7 @@ data-parallel group: ``zero1/zero2(mixed_precision(train_step(...)), group=data)
 The interpreter runs the stage's instruction list inside one ``materialized``
 set-up: a forward runs the stage on the received activations through the
 state's parameters; a backward gives autograd the received output gradient,
-and each unit's gradient goes to a ``GradSink`` (zfunc.accumulate) that sums the
+and each unit's gradient goes to a ``GradSink`` (zfunc.sinks) that sums the
 micro-batches in fp32 and reduces over the data-parallel group in the last one.
 Then tied modules' gradients are summed over the stages that own them, one
 all-reduce over the world agrees on the loss, non-finite gradients and the

@@ -150,7 +150,7 @@ class GradSink(Sink):
 
 
 class GradOffHome(Sink):
-    """A grad sink (see zfunc.accumulate) that sends each unit's gradient home the moment autograd
+    """A grad sink that sends each unit's gradient home the moment autograd
     is done with the unit and hands the reduced gradient to ``_store`` (a host copy, a swap
     file). A unit used more than once in forward has its gradients added first, as autograd would."""
 
