@@ -9,7 +9,8 @@ This file is the map of the library: everything public is imported here.
 from . import checkpoint, dist, optim, schedules, swap, testing
 from .accumulate import accumulate
 from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDivergedError
-from .engine import Engine, RepeatingLoader, initialize
+from .engine import Engine, RepeatingLoader
+from .initialize import initialize
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, grad, value_and_grad
 from .loss_scale import LossScaler
@@ -19,8 +20,8 @@ from .placement import Placement
 from .precision import mixed_precision
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
+from .step import set_units as units
 from .tree import Params
-from .zero import set_units as units
 from .zero import zero1, zero2, zero3
 
 __all__ = [

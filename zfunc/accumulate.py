@@ -2,7 +2,7 @@
 
 ``accumulate(step, n)`` makes the step take a sequence (or iterator) of ``n``
 micro-batches. Each micro-batch's backward hands every unit's gradient to a
-``GradSink`` instead of to autograd, which adds it into an fp32 accumulator
+``GradSink`` (zfunc.sinks) instead of to autograd, which adds it into an fp32 accumulator
 in the gradient's home form:
 
 * gradients that go home as shards (zero2, zero3) are reduce-scattered each
@@ -22,129 +22,16 @@ from itertools import islice
 
 import torch
 
-from . import buffers, dist, layout, swap
-from .ops import cpu_adam
 from .grad import GradOut, grad_spec
-from .step import Step
+from .sinks import GradSink
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
-from .tree import Params
-
-
-class GradSink:
-    """fp32 accumulators, one per unit in its gradient's home form, filled in backward.
-
-    Under ``offload_nvme`` (the parameters' spec names a swap store with gradient
-    files) an accumulator lives in its unit's fp32 gradient file between
-    micro-batches: read, added to and written back, so RAM holds only the units
-    in flight; its norm and inf/NaN check are taken at each write (the last one
-    counts), as ``GradToDisk`` does.
-    """
-
-    def __init__(self, spec):
-        self.spec = spec  # the gradients' ParamsSpec (which leaves are shards)
-        self.acc: dict[int, torch.Tensor] = {}
-        self.last = False  # the last micro-batch: whole gradients are reduced now
-        store = swap.store_of(spec.swap)
-        self.store = store if store is not None and store.grads else None
-        self.on_file: set[int] = set()  # units whose sum so far is in their gradient file
-        self.views: dict[int, list] = {}  # unit -> its accumulator's per-parameter views (take_parts)
-        self.reducing: dict[int, object] = {}  # unit -> its whole sum's reduction in flight (last micro-batch)
-
-    def _acc(self, unit) -> torch.Tensor:
-        acc = self.acc.get(unit.index)
-        if acc is None:
-            padded = self.spec.segment(unit.index).padded
-            w = dist.world_size(unit.group)
-            n = layout.shard_numel(padded, w) if self.spec.sharded[unit.index] else padded
-            acc = torch.zeros(n, dtype=torch.float32, device=unit.device)
-            if unit.index in self.on_file:
-                self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
-                self.store.read_now(acc, self.store.file_of(self.store.grads[unit.index]))
-            self.acc[unit.index] = acc
-        return acc
-
-    def _done(self, unit, acc: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's part is in ``acc``: on disk, write it out and let it go."""
-        if self.store is not None:
-            self.store.write_gradient(acc, self.store.grads[unit.index], cpu_adam.nonfinite_and_sq_norm([acc]))
-            self.on_file.add(unit.index)
-            self.acc.pop(unit.index, None)
-        return acc
-
-    def takes_parts(self, unit) -> bool:
-        """Whether ``take_parts`` serves ``unit``: a whole gradient summed in RAM."""
-        return self.store is None and not self.spec.sharded[unit.index]
-
-    def take_parts(self, unit, grads) -> None:
-        """Add a unit's per-parameter gradients (``None``: no gradient) straight into its
-        accumulator: the first micro-batch copies, later ones add, as autograd's ``.grad`` does,
-        with no flat buffer between."""
-        views = self.views.get(unit.index)
-        fresh = views is None
-        if fresh:
-            acc = self.acc[unit.index] = buffers.empty(self.spec.segment(unit.index).padded, torch.float32,
-                                                       unit.device)
-            views = self.views[unit.index] = list(unit.segment.unflatten(acc).values())
-            acc[unit.segment.numel:].zero_()  # the padding
-        else:
-            acc = self.acc[unit.index]
-            self._settled(unit)
-        dst, src = [], []
-        for view, g in zip(views, grads):
-            if g is not None:
-                dst.append(view)
-                src.append(g)
-            elif fresh:
-                view.zero_()
-        if dst:
-            (torch._foreach_copy_ if fresh else torch._foreach_add_)(dst, src)
-        self._reduce_if_last(unit, acc)
-
-    def take(self, unit, grad_full: torch.Tensor) -> None:
-        """Add a unit's full local gradient (which the caller gives up) into its accumulator."""
-        acc = self._acc(unit)
-        tracker = unit.tracker
-        if self.spec.sharded[unit.index]:
-            pending = unit.send_home_start(grad_full)
-            tracker.reducing(pending.then(lambda g: self._done(unit, acc.add_(g)), acc))
-            return
-        self._settled(unit)
-        acc.add_(grad_full)
-        buffers.give(grad_full)
-        self._reduce_if_last(unit, acc)
-
-    def _settled(self, unit) -> None:
-        """A unit used twice in the last micro-batch: its first reduction is over before more is added."""
-        pending = self.reducing.pop(unit.index, None)
-        if pending is not None:
-            pending.wait()
-
-    def _reduce_if_last(self, unit, acc: torch.Tensor) -> None:
-        """In the last micro-batch, start reducing a whole sum over the group (once per use; a
-        later use waits for it, adds, and reduces its part: the mean is linear)."""
-        tracker = unit.tracker
-        if self.last:
-            pending = unit.send_home_start(acc, out_dtype=acc.dtype)
-            if pending.out is not acc:  # reduced in another dtype, or W = 1 made a copy
-                pending = pending.then(acc.copy_, acc)
-            pending = pending.then(lambda a: self._done(unit, a), acc)
-            self.reducing[unit.index] = pending
-            tracker.reducing(pending)
-        else:
-            self._done(unit, acc)
-
-    def grads(self) -> Params:
-        """The accumulated gradients; ``None`` for a unit no micro-batch used."""
-        if self.store is None:
-            return Params(self.spec, [self.acc.get(i) for i in range(len(self.spec.sharded))])
-        self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
-        return Params(self.spec, [self.store.grads[i] if i in self.on_file else None
-                                  for i in range(len(self.spec.sharded))])
 
 
 class Accumulate(Transform):
     family = "accumulate"
     shapes_state = False
+    accumulates = True
 
     def __init__(self, n: int):
         self.n = n
@@ -194,8 +81,7 @@ def accumulate(step: Step, n: int) -> Step:
     (each what ``loss_fn`` takes); ``metrics["aux"]`` is the list of their aux
     values. Write it inside the ZeRO stage: ``zero3(accumulate(f, n))``.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"accumulate transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "accumulate")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"accumulate: n must be an int >= 1, got {n!r}")
     return step.then(Accumulate(n))

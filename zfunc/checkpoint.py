@@ -54,6 +54,7 @@ from . import checkpoint_folders as folders
 from . import dist, swap
 from .checkpoint_io import DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, read_json, write_json
 from .pytree import NAMESPACE, tree_unflatten
+from .state import INNER, wrapper_role
 from .tree import ModelSpec, Params
 
 FORMAT = 2  # 1: no checksums, parts named by their path in the composition's state
@@ -76,17 +77,14 @@ def _role(accessor) -> str:
     """A part's path in the state without the wrappers a composition adds: ``opt_state.inner.inner.mu``
     under ``offload_cpu(mixed_precision(...))`` is ``opt_state.mu`` as in a plain ``train_step``; the
     fp32 master weights are ``master``; offload's host copy of the parameters is ``params``."""
-    from .offload import HostState
-    from .offload_nvme import SwapState
-    from .precision import MixedPrecisionState
-
     kept = []
     for e in accessor:
-        if e.type in (HostState, SwapState, MixedPrecisionState):
-            field = e.type._fields[e.entry] if e.type is not SwapState else "inner"
-            if field != "inner":  # HostState.params or MixedPrecisionState.master: weights, not state
-                return "params" if e.type is HostState else "master"
+        fields = getattr(e.type, "_fields", ())
+        role = wrapper_role(e.type, fields[e.entry]) if isinstance(e.entry, int) and e.entry < len(fields) else None
+        if role == INNER:
             continue
+        if role is not None:  # a wrapper's master weights, or offload's host copy of the parameters
+            return role
         kept.append(e)
     return optree.PyTreeAccessor(tuple(kept)).codify("").lstrip(".")
 

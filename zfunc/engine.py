@@ -19,9 +19,6 @@ zfunc.checkpoint's, with the engine's counters, the config and the model's
 """
 from __future__ import annotations
 
-import os
-import resource
-import sys
 import time
 import weakref
 from collections.abc import Mapping
@@ -30,19 +27,15 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import torch
 from torch import nn
 
-from . import checkpoint, config as configuration, dist, lazy, lr_schedules, optim, swap
-from .config import OffloadParamConfig
-from .accumulate import GradSink, accumulate
-from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized
+from . import checkpoint, dist, lazy, swap
+from .compose import build_optimizer, compose, current_lr
+from .sinks import GradSink, Sink
+from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
+from .loop import Loop
 from .materialize import Materialize
-from .loss_scale import LossScaler
-from .offload import offload_cpu
-from .offload_nvme import offload_nvme
-from .precision import mixed_precision
 from .state import gather_params
-from .step import EvalStep, Step, eval_step, train_step
+from .step import Step, eval_step, train_step
 from .tree import Params
-from .zero import zero1, zero2, zero3
 
 
 class RepeatingLoader:
@@ -119,105 +112,8 @@ def _the_loss(out) -> torch.Tensor:
             f"the model returned {type(out).__name__}, not a loss: without loss_fn the model must compute its "
             "own loss (a tensor, an output with .loss, or a tuple starting with it); or pass "
             "loss_fn=lambda model, batch: ... to zf.initialize")
-    if value.numel() != 1:
-        raise ValueError(f"the loss must be a single number, got a tensor of shape {tuple(value.shape)}: if the "
-                         "model returns outputs rather than its loss, pass loss_fn=lambda model, batch: ...")
-    return value.reshape(())
-
-
-def _optimizer(cfg, optimizer, lr_scheduler):
-    """The optimizer the config (or the caller) asks for, with its schedule and clipping."""
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ValueError("an optimizer is given both in the config ('optimizer') and to zf.initialize: keep one")
-    if optimizer is not None and lr_scheduler is not None:
-        raise ValueError("with your own optimizer, give it the schedule as its lr (zf.optim.adamw(schedule)) "
-                         "instead of passing lr_scheduler")
-    if optimizer is None and cfg.optimizer is None:
-        raise ValueError("no optimizer: put an 'optimizer' section in the config or pass optimizer=zf.optim.adamw(...)")
-    schedule = None
-    if optimizer is None:
-        o = cfg.optimizer
-        base_lr = o.lr
-        if lr_scheduler is not None and cfg.scheduler is not None:
-            raise ValueError("a scheduler is given both in the config ('scheduler') and to zf.initialize: keep one")
-        if lr_scheduler is not None:
-            schedule = lr_scheduler
-        elif cfg.scheduler is not None:
-            schedule = lr_schedules.from_config(cfg.scheduler, base_lr)
-        lr = schedule if schedule is not None else base_lr
-        if o.type == "sgd":
-            optimizer = optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
-                                  dampening=o.dampening)
-        elif o.decoupled:
-            optimizer = optim.adamw(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-        else:
-            optimizer = optim.adam(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    if cfg.gradient_clipping > 0:
-        optimizer = optim.chain(optim.clip_by_global_norm(cfg.gradient_clipping), optimizer)
-    return optimizer, schedule
-
-
-def current_lr(cfg, schedule, state) -> list[float]:
-    """The learning rate of the next update (DeepSpeed's ``get_lr``: one per param group)."""
-    if schedule is None:
-        return [cfg.optimizer.lr] if cfg.optimizer is not None else []
-    return [float(schedule(int(state.count)))]
-
-
-def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> Step:
-    """``base`` wrapped as the config says, in the order zfunc's rules ask (README, docs/architecture.md).
-
-    ``group``: the ZeRO stage's process group (a pipeline stage's data-parallel group);
-    ``accumulate_micro``: wrap in ``accumulate`` (not for a pipeline stage, whose schedule
-    takes the micro-batches one by one)."""
-    step = base
-    if cfg.gradient_accumulation_steps > 1 and accumulate_micro and not isinstance(base, EvalStep):
-        step = accumulate(step, cfg.gradient_accumulation_steps)
-    if cfg.compute_dtype == torch.bfloat16:
-        step = mixed_precision(step, torch.bfloat16)
-    elif cfg.compute_dtype == torch.float16:
-        f = cfg.fp16
-        scaler = (LossScaler(init_scale=2.0 ** f.initial_scale_power, window=f.loss_scale_window,
-                             hysteresis=f.hysteresis, min_scale=f.min_loss_scale,
-                             consecutive_hysteresis=f.consecutive_hysteresis)
-                  if not f.loss_scale else LossScaler(init_scale=f.loss_scale, dynamic=False))
-        step = mixed_precision(step, torch.float16, loss_scale=scaler)
-    z = cfg.zero
-    coordinator = dict(prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_live_parameters=z.stage3_max_live_parameters,
-                       max_reuse_distance=z.stage3_max_reuse_distance)
-    param_dev = z.offload_param.device if z.offload_param is not None else "none"
-    opt_dev = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
-    if param_dev == "nvme" or opt_dev == "nvme":
-        if param_dev == "nvme" and opt_dev not in ("nvme", "none"):
-            raise ValueError(f"zero_optimization.offload_param.device 'nvme' with offload_optimizer.device "
-                             f"{opt_dev!r} is not supported yet: offload both to nvme, or only the optimizer")
-        section = z.offload_param if param_dev == "nvme" else z.offload_optimizer
-        if param_dev == opt_dev == "nvme" and z.offload_param.nvme_path != z.offload_optimizer.nvme_path:
-            raise ValueError(
-                "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
-                f"({z.offload_param.nvme_path!r}, {z.offload_optimizer.nvme_path!r}): one state's swap files live "
-                "in one folder here; give both the same path")
-        pool = z.offload_param if z.offload_param is not None else OffloadParamConfig()
-        step = offload_nvme(step, section.nvme_path, params=param_dev == "nvme", optimizer=opt_dev == "nvme",
-                            buffer_count=pool.buffer_count, buffer_size=pool.buffer_size,
-                            sub_group_size=z.sub_group_size, aio=cfg.aio,
-                            **(coordinator if z.stage == 3 else {}))
-    elif opt_dev == "cpu":
-        step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory)
-    if z.stage == 1:
-        step = zero1(step, group=group)
-    elif z.stage == 2:
-        step = zero2(step, group=group)
-    elif z.stage == 3:
-        step = zero3(step, group=group, persistence_threshold=z.stage3_param_persistence_threshold, **coordinator)
-    elif group is not None:
-        step = zero1(step, group=group)  # a pipeline stage's replicas still average their gradients there
-    return step
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return scalar_loss(value, "the model's loss must be", ": if the model returns outputs rather than its loss, "
+                       "pass loss_fn=lambda model, batch: ...", ValueError)
 
 
 def _tokens(batch) -> int:
@@ -233,7 +129,7 @@ def _tokens(batch) -> int:
 
 
 class _StepSums(GradSink):
-    """The gradient sums of an imperative step (zfunc.accumulate's ``GradSink``), noting which
+    """The gradient sums of an imperative step (zfunc.sinks's ``GradSink``), noting which
     passes each backward reached (the trackers of the units whose gradients it took)."""
 
     def __init__(self, spec):
@@ -249,7 +145,7 @@ class _StepSums(GradSink):
         super().take_parts(unit, grads)
 
 
-class _Spent:
+class _Spent(Sink):
     """The sink of a closed pass: a backward through its output would put gradients nowhere."""
 
     def takes_parts(self, unit) -> bool:
@@ -257,6 +153,9 @@ class _Spent:
             "backward through the output of an engine(batch) whose pass is over: an earlier engine.backward "
             "went through it, or engine.step() made the update after it. Run engine(batch) again; to "
             "backward twice through one output, pass retain_graph=True to the first engine.backward")
+
+    def take(self, unit, grad_full: torch.Tensor) -> None:
+        self.takes_parts(unit)
 
 
 class _Unfinished(Exception):
@@ -330,8 +229,8 @@ class _Window:
 
     def __init__(self, step: Step, state):
         self.start = time.perf_counter()
-        self.buffers = step.begin(state)
-        self.io_before = swap.io_counts(state)
+        self.started = step.begin(state)
+        self.buffers = self.started.buffers
         scaler = step.loss_scaler
         self.scale = None if scaler is None else float(state.loss_scale.scale)
         self.sums = _StepSums(grad_spec(state.params.spec))
@@ -353,7 +252,7 @@ class _Window:
         self.close([p for p in self.passes if p.orphaned], _Unfinished())
 
 
-class Engine:
+class Engine(Loop):
     """Owns the model's state and the composed step; see the module docstring."""
 
     def __init__(self, model: nn.Module, cfg, *, loss_fn=None, optimizer=None, lr_scheduler=None):
@@ -364,19 +263,15 @@ class Engine:
         self.rank = dist.rank()
         self.state_dict_keys = list(model.state_dict().keys())
         loss = model_loss(model, loss_fn)
-        opt, self.schedule = _optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.schedule = build_optimizer(cfg, optimizer, lr_scheduler)
         self.step_fn = compose(cfg, train_step(loss, opt))
         self.eval_fn = compose(cfg, eval_step(loss))
         self._forward_fn = model_forward(model, loss_fn)
         self._loss_fn = loss_fn
         self.state = self.step_fn.init(model)
-        self.global_steps = 0
-        self.global_samples = 0
+        self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
         self._window: _Window | None = None  # the imperative style's step in progress
-        self._last_print = time.perf_counter()
-        self._tokens_since_print = 0
-        self.last_metrics: dict = {}
 
     # ------------------------------------------------------------------- batches
 
@@ -384,23 +279,12 @@ class Engine:
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.micro_batch_size
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+    COUNTERS = Loop.COUNTERS + ("micro_steps",)
 
     def _pull(self, data_iter: Iterator) -> list:
         if data_iter is None:
             raise ValueError("train_batch needs data_iter: an iterator over micro-batches (e.g. iter(RepeatingLoader(loader)))")
-        batches = []
-        for _ in range(self.gradient_accumulation_steps):
-            try:
-                batches.append(next(data_iter))
-            except StopIteration:
-                raise StopIteration(
-                    f"data_iter ended after {len(batches)} of the {self.gradient_accumulation_steps} micro-batches of "
-                    "a step; wrap the loader in zf.RepeatingLoader to cycle it") from None
-        return batches
-
+        return self._next_micro_batches(data_iter)
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step on the next ``gradient_accumulation_steps`` micro-batches; the mean loss."""
         self._no_step_in_progress("train_batch")
@@ -411,13 +295,6 @@ class Engine:
         self.micro_steps += len(micro)
         self._stepped(metrics, sum(_tokens(b) for b in micro) * self.world, time.perf_counter() - start)
         return metrics["loss"]
-
-    def _stepped(self, metrics: dict, tokens: int, seconds: float) -> None:
-        self.last_metrics = metrics
-        self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
-        self._tokens_since_print += tokens
-        self._report(metrics, seconds)
 
     def eval_batch(self, data_iter: Iterator) -> torch.Tensor:
         """The mean loss over the next ``gradient_accumulation_steps`` micro-batches; no update."""
@@ -480,9 +357,7 @@ class Engine:
         ``1/gradient_accumulation_steps`` (and fp16's loss scale, unscaled in the update), until the
         ``step()`` at the accumulation boundary. Returns ``loss / gradient_accumulation_steps``.
         """
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise TypeError(f"engine.backward takes a scalar loss tensor, got {type(loss).__name__}"
-                            + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        scalar_loss(loss, "engine.backward takes")
         window = self._window
         if window is not None:
             window.close_orphans()
@@ -527,7 +402,7 @@ class Engine:
         out = GradOut(torch.stack(window.losses).mean(), None, grads, window.peak,
                       (1.0 if window.scale is None else 1.0 / window.scale) / self.gradient_accumulation_steps,
                       window.prefetch)
-        self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.buffers, window.io_before)
+        self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)
 
@@ -548,57 +423,21 @@ class Engine:
 
     # ------------------------------------------------------------------ reading
 
-    def params(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights keyed like ``model.named_parameters()``, on every rank."""
-        return gather_params(self.state)
-
-    def get_lr(self) -> list[float]:
-        return current_lr(self.config, self.schedule, self.state)
-
-    @property
-    def loss_scale(self) -> float | None:
-        return None if self.state.loss_scale is None else float(self.state.loss_scale.scale)
-
     # ------------------------------------------------------------------ logging
 
-    def _report(self, metrics: dict, seconds: float) -> None:
-        every = self.config.steps_per_print
-        if self.rank != 0 or not every:
-            return
-        if sys.stderr.isatty():
-            total = (self.config.scheduler or {}).get("params", {}).get("total_num_steps")
-            done = f"{self.global_steps}/{total}" if total else f"{self.global_steps}"
-            bar = ""
-            if total:
-                filled = int(30 * min(self.global_steps, total) / total)
-                bar = "[" + "#" * filled + "." * (30 - filled) + "] "
-            sys.stderr.write(f"\r{bar}{done} loss {float(metrics['loss']):.4f}")
-            sys.stderr.flush()
-        if self.global_steps % every:
-            return
-        now = time.perf_counter()
-        rate = self._tokens_since_print / max(now - self._last_print, 1e-9)
-        self._last_print, self._tokens_since_print = now, 0
-        parts = [f"step {self.global_steps}", f"loss {float(metrics['loss']):.4f}"]
-        lr = self.get_lr()
-        if lr:
-            parts.append(f"lr {lr[0]:.3e}")
-        if "loss_scale" in metrics:
-            parts.append(f"loss scale {metrics['loss_scale']:g}")
-        parts.append(f"{rate:,.0f} tokens/s")
-        parts.append(f"rss {_rss_bytes() / 1e9:.2f} GB (peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f})")
+    def _report_parts(self, metrics: dict, seconds: float) -> list[str]:
+        parts = [f"loss scale {metrics['loss_scale']:g}"] if "loss_scale" in metrics else []
+        parts += self._rate_and_memory()
         if self.config.wall_clock_breakdown:
             parts.append(f"step {seconds * 1e3:.0f} ms")
-        prefix = "\n" if sys.stderr.isatty() else ""
-        print(prefix + " | ".join(parts), file=sys.stderr, flush=True)
+        return parts
 
     # -------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Every rank calls it; returns the checkpoint's folder (zfunc.checkpoint)."""
         tag = tag if tag is not None else f"global_step{self.global_steps}"
-        extra = {"engine": {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                            "micro_steps": self.micro_steps},
+        extra = {"engine": self._counters(),
                  "scheduler": {"last_step": int(self.state.count)},
                  "config": self.config.raw, "state_dict_keys": self.state_dict_keys,
                  "client_state": client_state or {}}
@@ -609,10 +448,7 @@ class Engine:
         self._no_step_in_progress("load_checkpoint")
         folder = checkpoint.resolve(load_dir, tag)
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
-        counters = manifest.get("engine", {})
-        self.global_steps = counters.get("global_steps", int(self.state.count))
-        self.global_samples = counters.get("global_samples", 0)
-        self.micro_steps = counters.get("micro_steps", 0)
+        self._restore_counters(manifest)
         return folder, manifest.get("client_state", {})
 
     def close(self) -> None:
@@ -620,7 +456,7 @@ class Engine:
         if self._window is not None:
             self._window, window = None, self._window
             window.close(list(window.passes), _Unfinished())
-        self.state.close()
+        super().close()
 
 
 def _reduce_whole(grads: Params, group) -> None:
@@ -633,32 +469,3 @@ def _reduce_whole(grads: Params, group) -> None:
             raise ValueError("engine.step() at the accumulation boundary with no engine.backward since the last "
                              "step(): with gradients on NVMe, run the boundary micro-batch's backward")
         dist.all_reduce_mean(g, group)
-
-
-def initialize(model: nn.Module, config, *, loss_fn: Callable | None = None, optimizer=None,
-               lr_scheduler: Callable | None = None, model_parameters=None) -> Engine:
-    """An ``Engine`` for ``model`` from a DeepSpeed-style ``config`` (a dict or a JSON path).
-
-    ``loss_fn(model, batch)``: see ``model_loss``. ``optimizer``: a zfunc optimizer
-    (``zf.optim.adamw(...)``) instead of the config's ``optimizer`` section;
-    ``lr_scheduler``: a schedule ``step -> lr`` for the config's optimizer.
-    ``model_parameters`` is accepted for DeepSpeed's signature and ignored (every
-    parameter that requires grad is trained). Keys that zfunc accepts but does not
-    act on are listed in one warning.
-    """
-    from .pipeline import PipelineModule
-
-    dist.init()
-    dist.check_launch()
-    if isinstance(model, PipelineModule):
-        from .pipeline_engine import PipelineEngine
-
-        if loss_fn is not None:
-            raise ValueError("a PipelineModule has its own loss_fn: give it there, not to zf.initialize")
-        # the batch keys count data-parallel replicas: W / stages of them
-        cfg = configuration.parse(config, dist.world_size() // model.num_stages or 1)
-        configuration.warn_ignored(cfg)
-        return PipelineEngine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler)
-    cfg = configuration.parse(config, dist.world_size())
-    configuration.warn_ignored(cfg)
-    return Engine(model, cfg, loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler)

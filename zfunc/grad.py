@@ -186,10 +186,15 @@ def _split(out, has_aux: bool):
         if isinstance(out, tuple):
             raise TypeError("loss_fn returned a tuple; pass has_aux=True if it returns (loss, aux)")
         loss, aux = out, None
-    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__} "
-                        f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-    return loss.reshape(()), aux
+    return scalar_loss(loss, "loss_fn must return"), aux
+
+
+def scalar_loss(loss, what: str, hint: str = "", error: type = TypeError) -> torch.Tensor:
+    """``loss`` as a 0-d tensor; else ``error``, saying ``what`` takes one (then ``hint``)."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(())
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    raise error(f"{what} a scalar loss tensor, a single number, got {got}{hint}")
 
 
 def _describe(batch) -> str:
@@ -293,7 +298,7 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
 
     def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None, scale=None, sink=None):
         """``scale`` multiplies the loss before backward (fp16 loss scaling);
-        ``sink`` (zfunc.accumulate) takes each unit's gradient instead of autograd."""
+        ``sink`` (zfunc.sinks) takes each unit's gradient instead of autograd."""
         if not isinstance(params, Params):
             return GradOut(*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
         with materialized(params, frozen, buffers, differentiable=True) as (view, tracker, anchors):

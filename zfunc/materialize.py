@@ -193,7 +193,7 @@ class Tracker:
         self.by_name: dict[str, _Unit] = {}  # canonical parameter name -> its unit
         self.current = 0
         self.peak = 0
-        self.sink = None  # a GradSink while accumulating (zfunc.accumulate)
+        self.sink = None  # a grad sink (zfunc.sinks) while accumulating or offloading
         self.run = None  # the coordinator's pass (zfunc.coordinator.Run), if prefetching
         self.prefetch: tuple = ()  # its metrics, once the pass completed
 

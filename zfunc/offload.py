@@ -23,8 +23,6 @@ inside the ZeRO stage: ``zero3(offload_cpu(mixed_precision(f)))``.
 """
 from __future__ import annotations
 
-import abc
-
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -32,45 +30,12 @@ import torch
 
 from .grad import grad_spec
 from .optim import Optimizer, apply_update, fusing
-from .placement import CPU, Placement
+from .placement import CPU, DEVICE, Placement
 from .pytree import tree_leaves, tree_map
-from .step import Step
+from .sinks import GradOffHome, with_grad_sink
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
 from .tree import Params
-
-
-class GradOffHome(abc.ABC):
-    """A grad sink (see zfunc.accumulate) that sends each unit's gradient home the moment autograd
-    is done with the unit and hands the reduced gradient to ``_store`` (a host copy, a swap
-    file). A unit used more than once in forward has its gradients added first, as autograd would."""
-
-    def __init__(self, spec):
-        self.spec = spec  # the gradients' ParamsSpec
-        self.left: dict[int, int] = {}  # unit -> backward calls still to come
-        self.partial: dict[int, torch.Tensor] = {}  # a unit used more than once: its gradient so far
-
-    def takes_parts(self, unit) -> bool:
-        """Never: each unit's gradient goes home as one flat buffer (``take``)."""
-        return False
-
-    def take(self, unit, grad_full: torch.Tensor) -> None:
-        i = unit.index
-        left = self.left.get(i, unit.uses) - 1
-        self.left[i] = left
-        if left > 0 or i in self.partial:
-            if i in self.partial:
-                self.partial[i].add_(grad_full)
-            else:
-                self.partial[i] = grad_full
-            if left > 0:
-                return
-            grad_full = self.partial.pop(i)
-        pending = unit.send_home_start(grad_full, out_dtype=unit.anchor.dtype)
-        unit.tracker.reducing(pending.then(lambda g: self._store(unit, g), pending.out))
-
-    @abc.abstractmethod
-    def _store(self, unit, g: torch.Tensor) -> None:
-        """Take unit ``unit``'s reduced gradient ``g`` home."""
 
 
 class GradToHost(GradOffHome):
@@ -85,7 +50,7 @@ class GradToHost(GradOffHome):
         self.copied = False
 
     def _store(self, unit, g: torch.Tensor) -> None:
-        host = to_host(g, self.pin)
+        host = to_host(g, self.pin) if unit.place.grad_home == CPU else g
         self.copied |= host is not g
         self.grads[unit.index] = host
 
@@ -157,36 +122,27 @@ class Offload(Transform):
     def wrap_optimizer(self, optimizer):
         return host_optimizer(optimizer, self._pin)
 
+    def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
+        """To the CPU: a host copy (pinned where CUDA exists); to DEVICE: onto ``device``."""
+        if to == CPU:
+            return to_host(leaf, self._pin)
+        if to == DEVICE and device is not None:
+            return leaf.to(device, non_blocking=self._pin)
+        return leaf
+
     @property
     def _pin(self) -> bool:
         return self.pin_memory and torch.cuda.is_available()  # pinning needs a CUDA driver
 
     def wrap_grad(self, grad_fn):
         def sink(params):
-            on_host = all(t is None or t.device.type == "cpu" for t in params.leaves)
+            on_host = all(t is None or t.device.type == "cpu" or p.grad_home != CPU
+                          for t, p in zip(params.leaves, params.spec.placements))
             if on_host and not self.copy_early_on_host:  # nothing to copy: autograd hands them on
                 return None
             return GradToHost(grad_spec(params.spec), self._pin)
 
         return with_grad_sink(grad_fn, sink)
-
-
-def with_grad_sink(grad_fn, make_sink):
-    """``grad_fn`` handing each unit's gradient to ``make_sink(params)`` (a ``GradOffHome``; None:
-    autograd's own way), whose ``finish()`` gives the step its gradients. Under ``accumulate``
-    its own sink is used instead: inside, it hands one per micro-batch; outside, it passes one in."""
-    if getattr(grad_fn, "accumulates", False):
-        return grad_fn
-
-    def run(params, batch, *, sink=None, **kw):
-        if sink is None:
-            sink = make_sink(params)
-            if sink is not None:
-                out = grad_fn(params, batch, sink=sink, **kw)
-                return out._replace(grads=sink.finish())
-        return grad_fn(params, batch, sink=sink, **kw)
-
-    return run
 
 
 def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:
@@ -196,6 +152,5 @@ def offload_cpu(step: Step, *, pin_memory: bool = True) -> Step:
     run asynchronously. Write it inside the ZeRO stage and outside
     ``mixed_precision``: ``zero3(offload_cpu(mixed_precision(f)))``.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"offload_cpu transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "offload_cpu")
     return step.then(Offload(pin_memory))

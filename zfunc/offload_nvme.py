@@ -37,7 +37,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
 (or no stage at all): zero1/2 keep full parameters on every rank. Under
 ``accumulate`` the gradient files hold the fp32 sums between micro-batches
-(zfunc.accumulate's ``GradSink``).
+(zfunc.sinks's ``GradSink``).
 """
 from __future__ import annotations
 
@@ -52,12 +52,13 @@ from . import dist, layout, swap
 from .buffers import trim as trim_heap
 from .coordinator import prefetch_settings
 from .grad import grad_spec
-from .offload import GradOffHome, with_grad_sink
 from .ops import cpu_adam
 from .optim import GradInfo, Optimizer, apply_update, fusing
-from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
+from .placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
 from .pytree import NAMESPACE, register_node
-from .step import Step
+from .sinks import GradOffHome, with_grad_sink
+from .state import master_weights
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
 from .tree import Params
 
@@ -67,6 +68,7 @@ class SwapState:
     placeholders of swap files, and the store that owns the files (static data)."""
 
     __slots__ = ("store", "inner")
+    _fields = ("inner",)  # its one child: the inner optimizer's state (zfunc.state.wrapper_role)
 
     def __init__(self, store: swap.SwapStore, inner: Any):
         self.store, self.inner = store, inner
@@ -111,15 +113,6 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype)
 
 
-def _has_master(state) -> bool:
-    """Whether the inner state keeps fp32 master weights (then parameters are only written)."""
-    from .precision import MixedPrecisionState
-
-    return any(isinstance(n, MixedPrecisionState)
-               for n in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, (MixedPrecisionState, Params)),
-                                           namespace=NAMESPACE))
-
-
 def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[int]]:
     """Consecutive units in groups of at most ``limit`` elements (a larger unit alone)."""
     groups, current, n = [], [], 0
@@ -158,7 +151,7 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
                 if not isinstance(node, Params):
                     continue
                 t = node.leaves[i]
-                if store.to_disk_opt and t.dim() == 1 and t.numel():
+                if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel():
                     placeholder = store.create(i, params.spec.model.units[i].name, kinds[k], t.numel(), t.dtype,
                                                store.offsets[i])
                     store.write_now(t, placeholder)
@@ -194,7 +187,7 @@ class _Update:
         self.nodes, self.treedef = _flatten(opt_state.inner)
         self.pnodes = [k for k, n in enumerate(self.nodes) if isinstance(n, Params)]
         self.final = {k: list(self.nodes[k].leaves) for k in self.pnodes}
-        self.read_params = not _has_master(opt_state.inner)
+        self.read_params = master_weights(opt_state.inner) is None  # else parameters are only written
         live = [i for i, g in enumerate(self.g) if g is not None and self.p[i].numel()]
         self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, sub_group_size)
 
@@ -419,14 +412,45 @@ class OffloadNvme(Transform):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
                                                                  grad_spec(params.spec)))
 
-    def open_store(self, step: Step, spec, places, group) -> swap.SwapStore:
+    @property
+    def keeps_params_on_disk(self) -> bool:
+        return self.params
+
+    def check_state(self, state) -> None:
+        swap.check_state(state)
+
+    def begin_step(self, state):
+        return swap.io_counts(state)
+
+    def step_metrics(self, state, begun) -> dict:
+        """``nvme``: this step's disk traffic (bytes) and the pool's use."""
+        if begun is None:
+            return {}
+        after = swap.io_counts(state)
+        return {"nvme": {k: after[k] - begun[k] if k.startswith("bytes") else after[k] for k in after}}
+
+    def grad_stats(self, g: torch.Tensor) -> tuple[float, bool] | None:
+        return swap.grad_stats(g) if swap.on_disk(g) else None
+
+    def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
+        """Off the disk: the leaf's values read into memory (onto ``device`` for DEVICE). Onto it: a
+        leaf goes there at init (``init_home``); one already there stays."""
+        if swap.on_disk(leaf) and to != NVME:
+            values = swap.load(leaf)
+            return values.to(device) if to == DEVICE and device is not None else values
+        if to == NVME and not swap.on_disk(leaf):
+            raise NotImplementedError("offload_nvme writes a unit's leaves to their swap files at init; moving "
+                                      "a leaf onto the disk later is not supported yet")
+        return leaf
+
+    def init_home(self, step: Step, spec, places, group) -> "_DiskHome":
         """At ``Step.init``: the state's swap folder, its free-space check and its gradient files."""
         if dist.device_of(group).type != "cpu":
             raise NotImplementedError("offload_nvme runs on CPU process groups (gloo) today; on CUDA use "
                                       "offload_cpu")
         w, r = dist.world_size(group), dist.rank(group)
-        accumulates = step._transform("accumulate") is not None
-        per_elem = _optimizer_bytes_per_element(step._update_part(below=self))
+        accumulates = step.accumulates
+        per_elem = _optimizer_bytes_per_element(step.update_part(below=self))
         sizes, need = [], 0
         on_disk = []  # (elements, bytes, unit name) of each parameter file read into the pool
         for i, (unit, place) in enumerate(zip(spec.units, places)):
@@ -454,13 +478,33 @@ class OffloadNvme(Transform):
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
                                buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0))
         store.reserve(need)
-        store.to_disk_opt = self.optimizer
         store.offsets = [s[3] for s in sizes]
         for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
             if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
                 dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
                 store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
-        return store
+        return _DiskHome(store, r)
+
+
+class _DiskHome:
+    """``Step.init``'s leaves of units whose parameters live on disk, written as they are made
+    (``Transform.init_home``)."""
+
+    def __init__(self, store: swap.SwapStore, rank: int):
+        self.store, self.key, self.rank = store, store.key, rank
+
+    def keep(self, i: int, unit, place: Placement, leaf: torch.Tensor, frozen: bool) -> torch.Tensor:
+        if place.param_home != NVME or not leaf.numel():
+            return leaf
+        start = self.rank * leaf.numel() if place.params_sharded else 0
+        if not frozen:  # the optimizer's init reads these values back once
+            return self.store.stage(i, unit.name, leaf, place.param_dtype or leaf.dtype, start)
+        stored = leaf.to(place.frozen_dtype or leaf.dtype)  # frozen: written once, in their stored dtype
+        return self.store.put(i, unit.name, "frozen", stored, start)
+
+    def finish(self) -> None:
+        self.store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
+        trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -494,8 +538,7 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     are read from disk (then gathered) ahead of use along the recorded order.
     Settings given to the outermost transform that has any win.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"offload_nvme transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "offload_nvme")
     if path is None or not str(path):
         raise ValueError("offload_nvme needs path=, a folder on a fast local disk for the swap files")
     for key, value in (("buffer_count", buffer_count), ("buffer_size", buffer_size),

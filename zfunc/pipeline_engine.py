@@ -6,7 +6,7 @@ data-parallel group: ``zero1/zero2(mixed_precision(train_step(...)), group=data)
 The interpreter runs the stage's instruction list inside one ``materialized``
 set-up: a forward runs the stage on the received activations through the
 state's parameters; a backward gives autograd the received output gradient,
-and each unit's gradient goes to a ``GradSink`` (zfunc.accumulate) that sums the
+and each unit's gradient goes to a ``GradSink`` (zfunc.sinks) that sums the
 micro-batches in fp32 and reduces over the data-parallel group in the last one.
 Then tied modules' gradients are summed over the stages that own them, one
 all-reduce over the world agrees on the loss, non-finite gradients and the
@@ -15,21 +15,21 @@ with ``1/micro_batches`` folded into the scale, as ``accumulate`` does.
 """
 from __future__ import annotations
 
-import sys
+import os
 import time
 from collections import deque
 from typing import Iterator
 
 import torch
 
-from . import dist, lazy, schedules as S
-from .accumulate import GradSink
-from .grad import apply, grad_spec, materialized
-from .optim import GradInfo, apply_update
+from . import checkpoint, dist, lazy, schedules as S
+from .compose import build_optimizer, compose
+from .grad import GradOut, apply, grad_spec, materialized, scalar_loss
+from .loop import Loop
+from .sinks import GradSink
 from .ops import cpu_adam
 from .pipeline import PipelineModule, make_grid
-from .state import State, gather_params
-from .step import train_step
+from .step import Agreement, train_step
 from .tree import Params
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
@@ -109,19 +109,17 @@ def _split_batch(batch):
     return (inputs if isinstance(inputs, tuple) else (inputs,)), labels
 
 
-class PipelineEngine:
+class PipelineEngine(Loop):
     """``zf.initialize(PipelineModule(...), config)``: train_batch / eval_batch over the pipeline."""
 
     def __init__(self, pipe: PipelineModule, cfg, *, optimizer=None, lr_scheduler=None):
-        from .engine import _optimizer, compose
-
         self._check_config(cfg)
         self.config, self.pipe = cfg, pipe
         self.schedule_name = pipe.schedule
         self.grid = grid = make_grid(pipe)
         self.module = pipe.build(grid.stage)
         self._tie_initial_weights()
-        opt, self.schedule = _optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.schedule = build_optimizer(cfg, optimizer, lr_scheduler)
 
         def no_loss(params, batch):  # the interpreter drives forward and backward itself
             raise RuntimeError("a pipeline stage's step is driven by its schedule, not called")
@@ -132,9 +130,7 @@ class PipelineEngine:
         owners = pipe.tied_stages()
         # tied units whose gradient norm another stage counts (the first that holds the key)
         self.counted_elsewhere = {u for key, u in self.tied_units.items() if owners[key][0] != grid.stage}
-        self.global_steps = 0
-        self.global_samples = 0
-        self.last_metrics: dict = {}
+        self._start_counting()
         self.fwd = _Link(grid.next, ACT) if grid.stage < grid.stages - 1 else None  # activations out
         self.fwd_in = _Link(grid.prev, ACT) if grid.stage > 0 else None
         self.bwd = _Link(grid.prev, GRAD) if grid.stage > 0 else None  # input gradients out
@@ -170,10 +166,6 @@ class PipelineEngine:
 
     # ----------------------------------------------------------------- batches
 
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
     def _pull(self, data_iter) -> list:
         """The step's micro-batches (first and last stage only: the others need no data)."""
         if not (self.module.first or self.module.last):
@@ -181,23 +173,15 @@ class PipelineEngine:
         if data_iter is None:
             raise ValueError(f"stage {self.grid.stage} (the {'first' if self.module.first else 'last'}) needs "
                              "data_iter: an iterator over (inputs, labels) micro-batches")
-        out = []
-        n = self.gradient_accumulation_steps
-        for _ in range(n):
-            try:
-                out.append(_split_batch(next(data_iter)))
-            except StopIteration:
-                raise StopIteration(f"data_iter ended after {len(out)} of the {n} micro-batches of a "
-                                    "step; wrap the loader in zf.RepeatingLoader") from None
-        return out
+        return [_split_batch(b) for b in self._next_micro_batches(data_iter)]
 
     # ------------------------------------------------------------- interpreter
 
-    def _run(self, program, micro: list, train: bool, scale: float | None = None):
-        """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None).
+    def _run(self, program, micro: list, buffers: dict, train: bool, scale: float | None = None):
+        """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None, the
+        peak bytes of units materialized at once). ``buffers``: the step's fresh buffers (``Step.begin``);
         ``scale``: fp16's loss scale, applied to the last stage's losses before backward."""
         state, module = self.state, self.module
-        buffers = self.step_fn._buffers(state)
         inputs, outputs, out_grads, labels, losses = {}, {}, {}, {}, {}
         grads_sent: set[int] = set()  # micro-batches whose input gradients went back inside their backward
         n = len(micro)
@@ -256,10 +240,11 @@ class PipelineEngine:
             if train:
                 tracker.finish()
                 grads = sink.grads()
+            peak = tracker.peak
         for link in (self.fwd, self.bwd):
             if link is not None:
                 link.finish()
-        return [losses[m].detach().float() for m in sorted(losses)], grads
+        return [losses[m].detach().float() for m in sorted(losses)], grads, peak
 
     def _send_grads_early(self, m: int, xs: tuple, sent: set) -> list:
         """Post a micro-batch's ``SendGrad`` from inside its ``Backward``, the moment autograd has
@@ -278,17 +263,15 @@ class PipelineEngine:
         return [x.register_post_accumulate_grad_hook(arrived) for x in waiting]
 
     def _loss(self, out, y) -> torch.Tensor:
-        loss = self.pipe.loss_fn(out, y)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise TypeError(f"the pipeline's loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        return loss.reshape(())
+        return scalar_loss(self.pipe.loss_fn(out, y), "the pipeline's loss_fn must return")
 
     # ----------------------------------------------------------------- update
 
-    def _agree(self, losses: list, grads: Params) -> tuple[float, float, bool]:
+    def _agree(self, losses: list, grads: Params) -> Agreement:
         """One all-reduce over the world: the loss (last stage), the global squared norm (each
         shard once, each whole gradient once per stage, a tied module on its first stage only),
-        and whether any gradient is non-finite."""
+        and whether any gradient is non-finite. The stage's step takes it as agreed
+        (``Step.apply_gradients``)."""
         grid = self.grid
         sq_shard = sq_whole = bad = 0.0
         for i, (g, shard) in enumerate(zip(grads.leaves, grads.spec.sharded)):
@@ -305,7 +288,9 @@ class PipelineEngine:
         loss = float(torch.stack(losses).mean()) if losses else 0.0
         vec = torch.tensor([loss, sq_shard, sq_whole, bad], dtype=torch.float64, device=dist.device_of(None))
         dist.all_reduce_sum(vec)
-        return vec[0].item() / grid.replicas, vec[1].item() + vec[2].item(), bool(vec[3].item())
+        nonfinite = [f"stage {grid.stage} or another"] if vec[3].item() else []
+        return Agreement(torch.tensor(vec[0].item() / grid.replicas, dtype=torch.float32), nonfinite,
+                         vec[1].item() + vec[2].item())
 
     def _reduce_tied(self, grads: Params) -> None:
         for key, unit in self.tied_units.items():
@@ -320,36 +305,17 @@ class PipelineEngine:
         micro = self._pull(data_iter)
         program = S.schedule(self.schedule_name, len(micro), self.grid.stages, self.grid.stage)
         start = time.perf_counter()
-        state = self.state
-        scaler = self.step_fn.loss_scaler  # fp16: every stage scales by the same loss scale
+        step, state = self.step_fn, self.state
+        started = step.begin(state)
+        scaler = step.loss_scaler  # fp16: every stage scales by the same loss scale
         scale = None if scaler is None else float(state.loss_scale.scale)
-        losses, grads = self._run(program, micro, train=True, scale=scale)
+        losses, grads, peak = self._run(program, micro, started.buffers, train=True, scale=scale)
         schedule_end = time.perf_counter()
         self._reduce_tied(grads)
-        loss, sq_norm, nonfinite = self._agree(losses, grads)
         grad_scale = 1.0 / len(micro) / (1.0 if scale is None else scale)  # the true gradients: grads x this
-        metrics = {"loss": torch.tensor(loss, dtype=torch.float32), "grad_norm": sq_norm ** 0.5 * grad_scale,
-                   "skipped": nonfinite}
-        loss_scale = state.loss_scale
-        if scaler is not None:  # every rank agreed on the overflow, so every rank updates the scale alike
-            metrics["loss_scale"] = scale
-            loss_scale = scaler.update(state.loss_scale, overflow=nonfinite)
-            metrics["skipped_steps"] = int(loss_scale.skipped)
-        elif nonfinite and self.step_fn.nonfinite == "raise":
-            raise FloatingPointError(f"step {int(state.count)}: non-finite gradient (inf or NaN) on stage "
-                                     f"{self.grid.stage} or another; the state was not updated")
-        if nonfinite:  # skipped on every stage: the state as it was, one step counted
-            self.state = State(state.params, state.opt_state, state.frozen, state.buffers, state.count + 1,
-                               state.plan, loss_scale)
-        else:
-            info = GradInfo(scale=grad_scale, sq_norm=sq_norm)
-            params, opt_state = apply_update(self.step_fn._update_part(), grads, state.opt_state, state.params,
-                                             info=info)
-            object.__setattr__(state, "_donated", True)
-            self.state = State(params, opt_state, state.frozen, state.buffers, state.count + 1, state.plan,
-                               loss_scale)
-        self.global_steps += 1
-        self.global_samples += self.config.micro_batch_size * len(micro) * self.grid.replicas
+        out = GradOut(torch.zeros(()), None, grads, peak, grad_scale)  # the loss: the agreement's
+        # the state keeps its buffers (the schedule's forwards ran on fresh copies)
+        self.state, metrics = step.apply_gradients(state, out, agreement=self._agree(losses, grads))
         metrics["step_s"] = time.perf_counter() - start
         # the instruction list's time, in Forward and Backward, and when it ran (perf_counter, a clock
         # every process on a machine shares on Linux: the stages' windows give the pipeline's span)
@@ -357,8 +323,7 @@ class PipelineEngine:
         metrics["busy_s"] = self.forward_s + self.backward_s
         metrics["schedule_s"] = schedule_end - start  # the rest of step_s is the update
         metrics["schedule_window"] = (start, schedule_end)
-        self.last_metrics = metrics
-        self._report(metrics)
+        self._stepped(metrics, 0, metrics["step_s"])
         return metrics["loss"]
 
     def eval_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
@@ -366,39 +331,21 @@ class PipelineEngine:
         micro = self._pull(data_iter)
         program = [i for i in S.gpipe(len(micro), self.grid.stages, self.grid.stage)
                    if isinstance(i, (S.LoadMicroBatch, S.RecvActivation, S.Forward, S.SendActivation))]
-        losses, _ = self._run(program, micro, train=False)
+        losses, _, _ = self._run(program, micro, self.step_fn.begin(self.state).buffers, train=False)
         vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], dtype=torch.float64)
         dist.all_reduce_sum(vec)
         return torch.tensor(vec.item() / self.grid.replicas, dtype=torch.float32)
 
-    def _report(self, metrics: dict) -> None:
-        every = self.config.steps_per_print
-        if dist.rank() != 0 or not every or self.global_steps % every:
-            return
-        lr = self.get_lr()
-        print(f"step {self.global_steps} | loss {float(metrics['loss']):.4f}" + (f" | lr {lr[0]:.3e}" if lr else "")
-              + f" | {metrics['step_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+    def _report_parts(self, metrics: dict, seconds: float) -> list[str]:
+        return [f"{seconds * 1e3:.0f} ms"]
 
-    # ------------------------------------------------------------------ reading
-
-    def params(self) -> dict[str, torch.Tensor]:
-        """This stage's full fp32 weights, keyed like its StageModule's parameters."""
-        return gather_params(self.state)
-
-    def get_lr(self) -> list[float]:
-        from .engine import current_lr
-
-        return current_lr(self.config, self.schedule, self.state)
+    # -------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state=None) -> str:
         """Each stage's state under ``save_dir/stage{s}``; loadable at another data-parallel size
         and at another pipeline shape (``load_checkpoint``)."""
-        import os
-
-        from . import checkpoint
-
         tag = tag if tag is not None else f"global_step{self.global_steps}"
-        extra = {"engine": {"global_steps": self.global_steps, "global_samples": self.global_samples},
+        extra = {"engine": self._counters(),
                  "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts, "layers": len(self.pipe.layers)},
                  "config": self.config.raw,
                  "client_state": client_state or {}}
@@ -408,10 +355,6 @@ class PipelineEngine:
         return folder
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None):
-        import os
-
-        from . import checkpoint
-
         folder = os.path.join(load_dir, f"stage{self.grid.stage}")
         first = checkpoint.Saved(checkpoint.resolve(os.path.join(load_dir, "stage0"), tag))
         saved = first.manifest.get("pipeline", {})
@@ -423,17 +366,11 @@ class PipelineEngine:
         else:  # another pipeline shape: each unit (a layer, or a tied module) from the stage that saved it
             self.state, manifest = checkpoint.load(self.state, folder, tag, group=self.grid.data_group,
                                                    sources=self._reshaped(load_dir, tag, saved, first))
-        counters = manifest.get("engine", {})
-        self.global_steps = counters.get("global_steps", int(self.state.count))
-        self.global_samples = counters.get("global_samples", 0)
+        self._restore_counters(manifest)
         return folder, manifest.get("client_state", {})
 
     def _reshaped(self, load_dir: str, tag, saved: dict, first):
         """``checkpoint.load``'s sources for a checkpoint cut into other stages."""
-        import os
-
-        from . import checkpoint
-
         if self.state.buffers:
             raise ValueError("loading a pipeline checkpoint at another pipeline shape with module buffers is not "
                              "supported yet")
@@ -454,7 +391,4 @@ class PipelineEngine:
             return where[ours[names[i]]]
 
         return first, locate
-
-    def close(self) -> None:
-        self.state.close()
 

@@ -24,6 +24,11 @@ A unit's life::
 | param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
 | param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update; offload_nvme: all three in swap files (parameters and optimizer state as asked) |
+
+The homes are read where things move: ``param_home`` by materialization (below) and init,
+``grad_home`` by the grad sinks (offload_cpu's ``GradToHost`` copies a gradient to the host
+only where it says CPU), ``opt_home`` by the swapped optimizer (a state tensor goes to a swap
+file only where it says NVME).
 """
 from __future__ import annotations
 

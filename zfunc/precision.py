@@ -28,7 +28,7 @@ from .loss_scale import LossScaler, as_scaler
 from .optim import Optimizer, apply_update, fusing
 from .placement import Placement
 from .pytree import tree_map
-from .step import Step
+from .step import Step, expect_step
 from .transform import Transform, check_inside_zero
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -80,6 +80,10 @@ class MixedPrecision(Transform):
             )
         frozen_dtype = None if kept else (self.dtype if unit.frozen.dtype.is_floating_point else None)
         return replace(p, param_dtype=self.dtype, frozen_dtype=frozen_dtype, reduce_dtype=self.reduce_dtype)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        return self.scaler
 
     def cast_buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if t.is_floating_point() and not self.keep(name):
@@ -135,8 +139,7 @@ def mixed_precision(step: Step, dtype: torch.dtype = torch.bfloat16, *, loss_sca
     of buffers and frozen parameters (or a predicate on them) that stay in their
     own dtype. Write it inside the ZeRO stage: ``zero3(mixed_precision(f))``.
     """
-    if not isinstance(step, Step):
-        raise TypeError(f"mixed_precision transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, "mixed_precision")
     if dtype not in _LOW:
         raise ValueError(f"mixed_precision: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     if not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):

@@ -96,17 +96,39 @@ def memory_report(state: State) -> dict:
     }
 
 
+INNER, MASTER = "inner", "master"
+
+
+def wrapper_role(node_type: type, field: str) -> str | None:
+    """What ``field`` of an optimizer-state node holds, found by structure.
+
+    A transform that wraps the update part (mixed precision, offload) wraps the
+    inner optimizer's state in a node with a field ``inner`` (``node_type._fields``
+    names its children): that field is ``"inner"``; a field ``master`` holds the
+    fp32 master weights (``"master"``); any other field another copy of the
+    parameters (``"params"``). None: ``node_type`` wraps nothing."""
+    fields = getattr(node_type, "_fields", ())
+    if INNER not in fields:
+        return None
+    return field if field in (INNER, MASTER) else "params"
+
+
+def master_weights(opt_state) -> Any:
+    """The fp32 master weights ``opt_state`` keeps (under the wrappers of ``wrapper_role``), or None."""
+    node = opt_state
+    while wrapper_role(type(node), INNER):
+        for field in type(node)._fields:
+            if wrapper_role(type(node), field) == MASTER:
+                return getattr(node, field)
+        node = node.inner
+    return None
+
+
 def master_params(state: State) -> Params:
     """The trainable parameters in full precision: the fp32 master weights under
     mixed precision (wherever offload keeps them), else the parameters."""
-    from .offload import HostState
-    from .offload_nvme import SwapState
-    from .precision import MixedPrecisionState
-
-    opt_state = state.opt_state
-    while isinstance(opt_state, (HostState, SwapState)):
-        opt_state = opt_state.inner
-    return opt_state.master if isinstance(opt_state, MixedPrecisionState) else state.params
+    master = master_weights(state.opt_state)
+    return state.params if master is None else master
 
 
 def gather_params(state: State) -> dict[str, torch.Tensor]:

@@ -28,19 +28,19 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
-from . import coordinator as coordination, dist, layout, lazy, swap
-from .buffers import trim as trim_heap, use_large_blocks
+from . import coordinator as coordination, dist, layout, lazy
+from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .optim import GradInfo, apply_update
-from .placement import NVME, Placement
+from .placement import Placement
 from .state import State
-from .transform import Transform
+from .transform import Transform, Units
 from .tree import Params, ParamsSpec, build_spec
 from .unit_init import unit_buffers
 
@@ -94,14 +94,19 @@ class Step:
             text = t.describe(text)
         return text
 
-    def _transform(self, family: str):
-        return next((t for t in self.transforms if t.family == family), None)
+    def _setting(self, name: str):
+        """The first of the transforms' settings ``name`` (zfunc.transform) that is given."""
+        return next((v for t in self.transforms if (v := getattr(t, name)) is not None), None)
 
     @property
     def loss_scaler(self):
         """The fp16 ``LossScaler`` of ``mixed_precision``, or None."""
-        precision = self._transform("precision")
-        return None if precision is None else precision.scaler
+        return self._setting("loss_scaler")
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the gradient part sums micro-batches (in fp32)."""
+        return any(t.accumulates for t in self.transforms)
 
     _base_name = "train_step"
 
@@ -109,8 +114,7 @@ class Step:
         """This step's coordinator (one per step function; its traces persist across calls),
         with the settings of the outermost transform that gives them (zero3, offload_nvme)."""
         if "_coordinator" not in self.__dict__:
-            settings = next((t.prefetch for t in self.transforms if getattr(t, "prefetch", None) is not None),
-                            coordination.Prefetch())
+            settings = self._setting("prefetch") or coordination.Prefetch()
             self.__dict__["_coordinator"] = coordination.Coordinator(settings)
         return self.__dict__["_coordinator"]
 
@@ -123,11 +127,11 @@ class Step:
 
     @property
     def group(self):
-        return next((t.group for t in self.transforms if getattr(t, "group", None) is not None), None)
+        return self._setting("group")
 
     @property
     def units(self):
-        return next((t.policy for t in self.transforms if t.family == "units"), None)
+        return self._setting("unit_policy")
 
     def placement(self, unit) -> Placement:
         p = Placement()
@@ -139,7 +143,7 @@ class Step:
         """What the state's layout depends on: the transforms that shape it, and W."""
         return Plan(self._describe(tuple(t for t in self.transforms if t.shapes_state)), dist.world_size(self.group))
 
-    def _update_part(self, below: Transform | None = None):
+    def update_part(self, below: Transform | None = None):
         """The optimizer wrapped by the transforms (only those inside ``below``, if given)."""
         opt = self.optimizer
         for t in reversed(self.transforms):
@@ -177,25 +181,19 @@ class Step:
         spec = build_spec(model, self.units, w)
         places = tuple(self.placement(u) for u in spec.units)
         device = dist.device_of(group) if device is None else torch.device(device)
-        offload = self._transform("offload")
         # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made
-        store = offload.open_store(self, spec, places, group) if hasattr(offload, "open_store") else None
+        home = next((h for t in self.transforms if (h := t.init_home(self, spec, places, group)) is not None), None)
         trainable, frozen = [], []
         for i, *flats in unit_buffers(model, spec, device, init_fn):
             for flat, out in zip(flats, (trainable, frozen)):
                 dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
                 leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
-                if store is not None and places[i].param_home == NVME and leaf.numel():
-                    start = r * leaf.numel() if places[i].params_sharded else 0
-                    if out is trainable:  # the optimizer's init reads these values back once
-                        leaf = store.stage(i, spec.units[i].name, leaf, places[i].param_dtype or leaf.dtype, start)
-                    else:  # frozen: written once, in the dtype they are stored in
-                        stored = leaf.to(places[i].frozen_dtype or leaf.dtype)
-                        leaf = store.put(i, spec.units[i].name, "frozen", stored, start)
+                if home is not None:
+                    leaf = home.keep(i, spec.units[i], places[i], leaf, frozen=out is frozen)
                 out.append(leaf)
         sharded = tuple(p.params_sharded for p in places)
         key = dist.group_key(group)
-        swap_key = None if store is None else store.key
+        swap_key = None if home is None else home.key
         params = Params(ParamsSpec(spec, places, sharded, False, key, swap_key), trainable)
         frozen_params = Params(ParamsSpec(spec, places, sharded, True, key, swap_key), frozen)
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -203,15 +201,13 @@ class Step:
             dist.broadcast(b, 0, group)
         # the optimizer (mixed precision: its fp32 master) starts from the model's own values,
         # then the parameters take the dtype their placement stores them in
-        opt_state = self._update_part().init(params) if self.optimizer is not None else None
-        if store is not None:
-            store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
-            trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
+        opt_state = self.update_part().init(params) if self.optimizer is not None else None
+        if home is not None:
+            home.finish()  # what the optimizer's init did not write (an eval step's init)
         params = _cast(params, [p.param_dtype for p in places])
         frozen_params = _cast(frozen_params, [p.frozen_dtype for p in places])
-        precision = self._transform("precision")
-        if precision is not None:
-            buffers = {name: precision.cast_buffer(name, b) for name, b in buffers.items()}
+        for t in reversed(self.transforms):
+            buffers = {name: t.cast_buffer(name, b) for name, b in buffers.items()}
         if free_model:
             lazy.swap_in(model, spec.canonical_name)
         scaler = self.loss_scaler
@@ -223,7 +219,8 @@ class Step:
     def _check(self, state: State) -> None:
         if not isinstance(state, State):
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
-        swap.check_state(state)
+        for t in self.transforms:
+            t.check_state(state)
         if getattr(state, "_donated", False):
             raise ValueError(
                 "this state was donated to a step, which updated its parameters and optimizer state in "
@@ -243,25 +240,25 @@ class Step:
         return buffers
 
     def __call__(self, state: State, batch) -> tuple[State, dict]:
-        self._check(state)
-        buffers = self._buffers(state)
+        started = self.begin(state)
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
-        io_before = swap.io_counts(state)
-        with self._coordinated() as coordinator:
-            out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=buffers, scale=scale)
-            agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
-        return self._finish(state, out, agreed, buffers, coordinator, io_before)
+        with self.continuing() as coordinator:
+            out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=started.buffers, scale=scale)
+            agreed = self._agree(out.loss, out.grads, coordinator.order_hash())
+        return self._finish(state, out, agreed, started)
 
     # ------------------------------------------------------- a step in parts
 
-    def begin(self, state: State) -> dict:
-        """Start a step whose gradient part the caller runs over several calls (the engine's
-        imperative forward and backward, zfunc.engine): the coordinator's passes from here on are
-        this step's. Returns the fresh buffers its forwards use; ``apply_gradients`` ends it."""
+    def begin(self, state: State) -> "Started":
+        """Start a step whose gradient part the caller runs (the engine's imperative forward and
+        backward, zfunc.engine; the pipeline's schedule): the coordinator's passes from here on
+        are this step's. Returns the fresh buffers its forwards use and what the transforms
+        noted at the start (``Started``); ``apply_gradients`` ends it."""
         self._check(state)
+        marks = tuple(t.begin_step(state) for t in self.transforms)
         self.coordinator().begin_step()
-        return self._buffers(state)
+        return Started(self._buffers(state), marks)
 
     @contextlib.contextmanager
     def continuing(self):
@@ -276,20 +273,27 @@ class Step:
             except (dist.CollectiveTimeout, torch.distributed.DistError) as e:
                 coordinator.diverged(self.group, cause=e)
 
-    def apply_gradients(self, state: State, out: GradOut, buffers: dict, io_before=None) -> tuple[State, dict]:
-        """End the step ``begin`` started with the gradients the caller took (``out``, in their home
-        form; ``out.grad_scale`` makes them true): the one agreement all-reduce, then the update,
-        as ``__call__`` does after its gradient part. ``io_before``: ``swap.io_counts`` at ``begin``."""
-        self._check(state)
-        with self.continuing() as coordinator:
-            agreed = _agree(out.loss, out.grads, self.group, coordinator.order_hash())
-        return self._finish(state, out, agreed, buffers, coordinator, io_before)
+    def apply_gradients(self, state: State, out: GradOut, started: "Started | None" = None, *,
+                        agreement: "Agreement | None" = None) -> tuple[State, dict]:
+        """The update: end a step with the gradients the caller took (``out``, in their home form;
+        ``out.grad_scale`` makes them true), as ``__call__`` does after its gradient part.
 
-    def _finish(self, state: State, out: GradOut, agreed: "_Agreed", buffers: dict, coordinator,
-                io_before) -> tuple[State, dict]:
+        ``started``: what ``begin`` returned (None: the state keeps its buffers). ``agreement``:
+        what the ranks agreed on, if the caller reduced it itself (the pipeline engine, over every
+        stage); else this step's one agreement all-reduce. Then the loss scale, and a skipped or
+        applied update."""
+        self._check(state)
+        if agreement is None:
+            with self.continuing() as coordinator:
+                agreement = self._agree(out.loss, out.grads, coordinator.order_hash())
+        return self._finish(state, out, agreement, started)
+
+    def _finish(self, state: State, out: GradOut, agreed: "Agreement", started: "Started | None"
+                ) -> tuple[State, dict]:
         """Everything after the agreement: metrics, the loss scale, a skipped or applied update."""
         if not agreed.same_order:
-            coordinator.diverged(self.group)
+            self.coordinator().diverged(self.group)
+        buffers = state.buffers if started is None else started.buffers
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
         loss, aux, grads, grad_scale = out.loss, out.aux, out.grads, out.grad_scale
@@ -308,8 +312,8 @@ class Step:
         if agreed.nonfinite:
             if scaler is None and self.nonfinite == "raise":
                 raise FloatingPointError(
-                    f"step {int(state.count)}: non-finite gradient (inf or NaN) in unit "
-                    f"{agreed.nonfinite[0]!r}" + (f" and {len(agreed.nonfinite) - 1} more" if len(agreed.nonfinite) > 1 else "")
+                    f"step {int(state.count)}: non-finite gradient (inf or NaN) in "
+                    f"{agreed.nonfinite[0]}" + (f" and {len(agreed.nonfinite) - 1} more" if len(agreed.nonfinite) > 1 else "")
                     + "; the state was not updated. Look for inf/NaN in the batch or the loss, or lower the "
                     "learning rate; zf.train_step(..., nonfinite='skip') skips such steps instead"
                 )
@@ -317,12 +321,69 @@ class Step:
             return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
         del loss
         info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm)
-        params, opt_state = apply_update(self._update_part(), grads, state.opt_state, state.params, info=info)
+        params, opt_state = apply_update(self.update_part(), grads, state.opt_state, state.params, info=info)
         object.__setattr__(state, "_donated", True)
-        if io_before is not None:  # offload_nvme: this step's disk traffic
-            after = swap.io_counts(state)
-            metrics["nvme"] = {k: after[k] - io_before[k] if k.startswith("bytes") else after[k] for k in after}
+        if started is not None:  # e.g. offload_nvme: this step's disk traffic
+            for t, mark in zip(self.transforms, started.marks):
+                metrics.update(t.step_metrics(state, mark))
         return State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
+
+    def _agree(self, loss: torch.Tensor, grads: Params, order: int = 0) -> "Agreement":
+        """One all-reduce for what every rank must agree on after backward.
+
+        Which units some rank used (a unit no rank used gets no update, as
+        ``torch.optim`` skips a parameter without ``.grad``), whether any
+        gradient is non-finite and the global squared norm (one read of each
+        gradient, ``nonfinite_and_sq_norm``, unless a transform measured it,
+        ``Transform.grad_stats``; a shard counts on every rank, a whole
+        gradient, the same on every rank, on rank 0 only), the loss, and
+        whether every rank materialized units in the same order (``order``,
+        the coordinator's fingerprint of it).
+        """
+        group = self.group
+        leaves = grads.leaves
+        w, r = dist.world_size(group), dist.rank(group)
+        used = [float(g is not None) for g in leaves]
+        bad, sq = [], [0.0, 0.0]
+        for g, shard in zip(leaves, grads.spec.sharded):
+            if g is None or g.numel() == 0:
+                bad.append(0.0)
+                continue
+            stats = next((s for t in self.transforms if (s := t.grad_stats(g)) is not None), None)
+            sq_g, finite = stats if stats is not None else cpu_adam.nonfinite_and_sq_norm([g])
+            bad.append(float(not finite))
+            if shard:
+                sq[0] += sq_g
+            elif r == 0:
+                sq[1] += sq_g
+        vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *sq], dtype=torch.float64,
+                           device=dist.device_of(group))
+        dist.all_reduce_sum(vec, group)
+        vec = vec.cpu()
+        k = len(leaves)
+        same_order = _same_order(vec[1 + 2 * k].item(), vec[2 + 2 * k].item(), w)
+        if not same_order:  # the caller names where the orders differ
+            return Agreement(torch.tensor(vec[0].item() / w, dtype=torch.float32), [], 0.0, False)
+        names = [u.name or "<root>" for u in grads.spec.model.units]
+        counts = vec[1 : 1 + k].tolist()
+        partial = [(n, int(c)) for n, c in zip(names, counts) if 0 < c < w]
+        if partial:
+            name, c = partial[0]
+            raise RuntimeError(
+                f"ranks ran different units this step: unit {name!r} was used on {c} of {w} ranks. Every rank "
+                "must run the same units (control flow that skips a block must skip it on every rank)"
+            )
+        nonfinite = [f"unit {n!r}" for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
+        return Agreement(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]),
+                         True)
+
+
+class Started(NamedTuple):
+    """A step ``Step.begin`` started: the fresh buffers its forwards use, and what each transform
+    noted at its start (``Transform.begin_step``), for ``Step.apply_gradients``."""
+
+    buffers: dict
+    marks: tuple
 
 
 def _cast(params: Params, dtypes) -> Params:
@@ -331,65 +392,19 @@ def _cast(params: Params, dtypes) -> Params:
     return Params(params.spec, leaves)
 
 
-@dataclass
-class _Agreed:
+class Agreement(NamedTuple):
+    """What every rank agreed on after backward (``Step.apply_gradients``)."""
+
     loss: torch.Tensor  # mean over ranks of each rank's loss
-    nonfinite: list[str]  # units with an inf/NaN gradient on some rank
+    nonfinite: list[str]  # where some rank has an inf/NaN gradient ("unit 'name'")
     sq_norm: float  # squared global norm of the gradients (as computed, before any scale)
-    same_order: bool  # every rank materialized the same units in the same order
+    same_order: bool = True  # every rank materialized the same units in the same order
 
 
 def _same_order(h_sum: float, h2_sum: float, w: int) -> bool:
     """Whether every rank's order fingerprint h was the same, from the sums of h and h^2
     (Cauchy-Schwarz: equal iff W * sum(h^2) == sum(h)^2; exact in float64 for 20-bit h)."""
     return w * h2_sum == h_sum * h_sum
-
-
-def _agree(loss: torch.Tensor, grads: Params, group, order: int = 0) -> _Agreed:
-    """One all-reduce for what every rank must agree on after backward.
-
-    Which units some rank used (a unit no rank used gets no update, as
-    ``torch.optim`` skips a parameter without ``.grad``), whether any
-    gradient is non-finite and the global squared norm (one read of each
-    gradient, ``nonfinite_and_sq_norm``; a shard counts on every rank, a
-    whole gradient, the same on every rank, on rank 0 only), the loss, and
-    whether every rank materialized units in the same order (``order``, the
-    coordinator's fingerprint of it).
-    """
-    leaves = grads.leaves
-    w, r = dist.world_size(group), dist.rank(group)
-    used = [float(g is not None) for g in leaves]
-    bad, sq = [], [0.0, 0.0]
-    for g, shard in zip(leaves, grads.spec.sharded):
-        if g is None or g.numel() == 0:
-            bad.append(0.0)
-            continue
-        # a gradient in a swap file was measured when it was written (zfunc.offload_nvme)
-        sq_g, finite = swap.grad_stats(g) if swap.on_disk(g) else cpu_adam.nonfinite_and_sq_norm([g])
-        bad.append(float(not finite))
-        if shard:
-            sq[0] += sq_g
-        elif r == 0:
-            sq[1] += sq_g
-    vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *sq], dtype=torch.float64,
-                       device=dist.device_of(group))
-    dist.all_reduce_sum(vec, group)
-    vec = vec.cpu()
-    k = len(leaves)
-    same_order = _same_order(vec[1 + 2 * k].item(), vec[2 + 2 * k].item(), w)
-    if not same_order:  # the caller names where the orders differ
-        return _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), [], 0.0, False)
-    names = [u.name or "<root>" for u in grads.spec.model.units]
-    counts = vec[1 : 1 + k].tolist()
-    partial = [(n, int(c)) for n, c in zip(names, counts) if 0 < c < w]
-    if partial:
-        name, c = partial[0]
-        raise RuntimeError(
-            f"ranks ran different units this step: unit {name!r} was used on {c} of {w} ranks. Every rank "
-            "must run the same units (control flow that skips a block must skip it on every rank)"
-        )
-    nonfinite = [n for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
-    return _Agreed(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]), True)
 
 
 class EvalStep(Step):
@@ -409,8 +424,9 @@ class EvalStep(Step):
     def __call__(self, state: State, batch) -> dict:
         """``metrics["loss"]``: the mean over ranks (and, under ``accumulate``, micro-batches)."""
         self._check(state)
-        accumulate = self._transform("accumulate")
-        micro = accumulate.micro_batches(batch) if accumulate is not None else [batch]
+        micro = next((m for t in self.transforms if (m := t.micro_batches(batch)) is not None), None)
+        several = micro is not None
+        micro = micro if several else [batch]
         losses, auxes = [], []
         passes = ()
         with self._coordinated() as coordinator:
@@ -431,7 +447,7 @@ class EvalStep(Step):
         metrics = {"loss": torch.tensor(vec[0].item() / w, dtype=torch.float32),
                    "prefetch": coordination.merge(passes)}
         if self.has_aux:
-            metrics["aux"] = auxes if accumulate is not None else auxes[0]
+            metrics["aux"] = auxes if several else auxes[0]
         return metrics
 
 
@@ -443,13 +459,23 @@ def train_step(loss_fn: Callable, optimizer, *, has_aux: bool = False, units=Non
     unit; the state is left as it was) or ``"skip"`` (no update that step;
     ``metrics["skipped"]``).
     """
-    from .zero import set_units
-
     return set_units(Step(loss_fn, optimizer, has_aux=has_aux, nonfinite=nonfinite), units)
 
 
 def eval_step(loss_fn: Callable, *, has_aux: bool = False, units=None) -> EvalStep:
     """Evaluate ``loss_fn`` on a state; compose with the same transforms as the train step."""
-    from .zero import set_units
-
     return set_units(EvalStep(loss_fn, has_aux=has_aux), units)
+
+
+def set_units(step: Step, policy) -> Step:
+    """The unit policy for every transform of ``step`` (see ``zf.zero3``'s ``units``)."""
+    expect_step(step, "units")
+    if policy is None or step.units is policy or step.units == policy:
+        return step
+    return step.then(Units(policy))
+
+
+def expect_step(step, transform: str) -> None:
+    """What every transform function checks first: ``step`` is a zfunc Step."""
+    if not isinstance(step, Step):
+        raise TypeError(f"{transform} transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")

@@ -254,7 +254,6 @@ class SwapStore:
         # its files are served from RAM, gradients of its units written there, its writes in flight
         self.resident: Resident | None = None
         self.resident_grads: set[str] = set()
-        self.to_disk_opt = True
         self.offsets: list[int] = []
         _open[self.key] = self
 

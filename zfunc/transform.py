@@ -27,14 +27,27 @@ to a step that already carries ``inner`` transforms.
 """
 from __future__ import annotations
 
+import torch
+
 from .placement import Placement
 
 
 class Transform:
-    """Base: contributes nothing; subclasses override what they change."""
+    """Base: contributes nothing; subclasses override what they change.
 
-    family = "transform"  # transforms of one family exclude each other
+    Besides the three contributions above, the step asks its transforms (outermost
+    first) for what it must not know by name: the settings below (the first
+    transform that gives one wins) and the hooks after ``wrap_grad``, each a no-op
+    here."""
+
+    family = "transform"  # transforms of one family exclude each other (``check``)
     shapes_state = True  # part of the state's Plan
+    prefetch = None  # the coordinator's settings (zfunc.coordinator.Prefetch)
+    group = None  # the process group the step runs over (None: the world)
+    unit_policy = None  # the unit policy (zf.units)
+    loss_scaler = None  # fp16's LossScaler: the step scales the loss and may skip
+    accumulates = False  # the gradient part sums micro-batches (in fp32)
+    keeps_params_on_disk = False  # parameter shards live in swap files
 
     def describe(self, inner: str) -> str:
         return f"{self.name}({inner})"
@@ -57,6 +70,46 @@ class Transform:
     def wrap_grad(self, grad_fn):
         return grad_fn
 
+    # ------------------------------------------------ hooks the step calls
+
+    def init_home(self, step, spec, places, group):
+        """At ``Step.init``, before any unit is made: an object that takes each unit's leaves as
+        they are made, ``keep(i, unit, place, leaf, frozen) -> leaf``, whose ``key`` the state's
+        ``ParamsSpec.swap`` records and whose ``finish()`` runs after the optimizer's init; or
+        None (the default): the leaves stay where they are made."""
+        return None
+
+    def cast_buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Buffer ``name`` as the state keeps it (mixed precision casts)."""
+        return t
+
+    def micro_batches(self, batch) -> list | None:
+        """The micro-batches one step takes ``batch`` as; None (the default): one, itself."""
+        return None
+
+    def check_state(self, state) -> None:
+        """Raise if ``state`` cannot be used by a step (offload_nvme: its files were closed)."""
+
+    def begin_step(self, state):
+        """At a step's start: what ``step_metrics`` compares against at its end."""
+        return None
+
+    def step_metrics(self, state, begun) -> dict:
+        """Metrics of an applied update, given what ``begin_step`` returned."""
+        return {}
+
+    def grad_stats(self, g: torch.Tensor) -> tuple[float, bool] | None:
+        """``(sum of squares, all finite)`` of gradient ``g`` if this transform measured it
+        (offload_nvme: a gradient on disk, measured as it was written); None: read ``g``."""
+        return None
+
+    def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
+        """A unit's stored leaf moved to home ``to`` (``placement.DEVICE``, ``CPU`` or ``NVME``;
+        ``device``: the accelerator for ``DEVICE``), for a transform that keeps leaves off the
+        device (offload_cpu: pinned host copies; offload_nvme: swap files). The default keeps
+        nothing elsewhere: the leaf as it is."""
+        return leaf
+
 
 def check_inside_zero(transform: Transform, inner, example: str) -> None:
     """Raise if ``transform`` is applied outside a ZeRO stage (``example`` shows the right order)."""
@@ -76,6 +129,10 @@ class Units(Transform):
 
     def __init__(self, policy):
         self.policy = policy
+
+    @property
+    def unit_policy(self):
+        return self.policy
 
     @property
     def name(self) -> str:

@@ -22,8 +22,8 @@ from . import dist
 from .coordinator import Prefetch, prefetch_settings
 from .optim import Optimizer, apply_update, fusing
 from .placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
-from .step import Step
-from .transform import Transform, Units
+from .step import Step, expect_step, set_units
+from .transform import Transform
 
 
 class Zero(Transform):
@@ -47,7 +47,7 @@ class Zero(Transform):
         for t in inner:
             if t.family == "zero":
                 raise ValueError(f"this step is already ZeRO stage {t.stage}; apply one of zero1/zero2/zero3, once")
-            if self.stage in (1, 2) and getattr(t, "params", False) is True and t.name == "offload_nvme":
+            if self.stage in (1, 2) and t.keeps_params_on_disk:
                 raise ValueError(
                     f"zero{self.stage} keeps the full parameters on every rank, so they cannot live on NVMe: "
                     f"write zero{self.stage}(offload_nvme(f, path, params=False)) to offload gradients and "
@@ -82,8 +82,7 @@ def sharded_optimizer(optimizer) -> Optimizer:
 
 
 def _zero(step: Step, stage: int, group, **kw) -> Step:
-    if not isinstance(step, Step):
-        raise TypeError(f"zero{stage} transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
+    expect_step(step, f"zero{stage}")
     dist.group_key(group)  # remember the group under its key, for specs that name it
     return step.then(Zero(stage, group, **kw))
 
@@ -126,12 +125,3 @@ def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
     prefetch = prefetch_settings(prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
                                  max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout)
     return _zero(step, 3, group, persistence_threshold=persistence_threshold, prefetch=prefetch)
-
-
-def set_units(step: Step, policy) -> Step:
-    """The unit policy for every transform of ``step`` (see ``zf.zero3``'s ``units``)."""
-    if not isinstance(step, Step):
-        raise TypeError(f"units transforms a zfunc Step (zf.train_step or zf.eval_step), got {type(step).__name__}")
-    if policy is None or step.units is policy or step.units == policy:
-        return step
-    return step.then(Units(policy))

@@ -1,0 +1,110 @@
+"""A DeepSpeed-style config as zfunc objects: the optimizer with its schedule, and the step
+transforms a user would write by hand, in the order zfunc's rules ask::
+
+    zeroN(offload_*(mixed_precision(accumulate(train_step(loss, chain(clip, optimizer)), gas))))
+
+Both engines (zfunc.engine, zfunc.pipeline_engine) build their steps here.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import lr_schedules, optim
+from .accumulate import accumulate
+from .config import OffloadParamConfig
+from .loss_scale import LossScaler
+from .offload import offload_cpu
+from .offload_nvme import offload_nvme
+from .precision import mixed_precision
+from .step import EvalStep, Step
+from .zero import zero1, zero2, zero3
+
+
+def build_optimizer(cfg, optimizer, lr_scheduler):
+    """The optimizer the config (or the caller) asks for, with its schedule and clipping."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ValueError("an optimizer is given both in the config ('optimizer') and to zf.initialize: keep one")
+    if optimizer is not None and lr_scheduler is not None:
+        raise ValueError("with your own optimizer, give it the schedule as its lr (zf.optim.adamw(schedule)) "
+                         "instead of passing lr_scheduler")
+    if optimizer is None and cfg.optimizer is None:
+        raise ValueError("no optimizer: put an 'optimizer' section in the config or pass optimizer=zf.optim.adamw(...)")
+    schedule = None
+    if optimizer is None:
+        o = cfg.optimizer
+        base_lr = o.lr
+        if lr_scheduler is not None and cfg.scheduler is not None:
+            raise ValueError("a scheduler is given both in the config ('scheduler') and to zf.initialize: keep one")
+        if lr_scheduler is not None:
+            schedule = lr_scheduler
+        elif cfg.scheduler is not None:
+            schedule = lr_schedules.from_config(cfg.scheduler, base_lr)
+        lr = schedule if schedule is not None else base_lr
+        if o.type == "sgd":
+            optimizer = optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
+                                  dampening=o.dampening)
+        elif o.decoupled:
+            optimizer = optim.adamw(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        else:
+            optimizer = optim.adam(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if cfg.gradient_clipping > 0:
+        optimizer = optim.chain(optim.clip_by_global_norm(cfg.gradient_clipping), optimizer)
+    return optimizer, schedule
+
+
+def current_lr(cfg, schedule, state) -> list[float]:
+    """The learning rate of the next update (DeepSpeed's ``get_lr``: one per param group)."""
+    if schedule is None:
+        return [cfg.optimizer.lr] if cfg.optimizer is not None else []
+    return [float(schedule(int(state.count)))]
+
+
+def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> Step:
+    """``base`` wrapped as the config says, in the order zfunc's rules ask (README, docs/architecture.md).
+
+    ``group``: the ZeRO stage's process group (a pipeline stage's data-parallel group);
+    ``accumulate_micro``: wrap in ``accumulate`` (not for a pipeline stage, whose schedule
+    takes the micro-batches one by one)."""
+    step = base
+    if cfg.gradient_accumulation_steps > 1 and accumulate_micro and not isinstance(base, EvalStep):
+        step = accumulate(step, cfg.gradient_accumulation_steps)
+    if cfg.compute_dtype == torch.bfloat16:
+        step = mixed_precision(step, torch.bfloat16)
+    elif cfg.compute_dtype == torch.float16:
+        f = cfg.fp16
+        scaler = (LossScaler(init_scale=2.0 ** f.initial_scale_power, window=f.loss_scale_window,
+                             hysteresis=f.hysteresis, min_scale=f.min_loss_scale,
+                             consecutive_hysteresis=f.consecutive_hysteresis)
+                  if not f.loss_scale else LossScaler(init_scale=f.loss_scale, dynamic=False))
+        step = mixed_precision(step, torch.float16, loss_scale=scaler)
+    z = cfg.zero
+    coordinator = dict(prefetch_bucket_size=z.stage3_prefetch_bucket_size, max_live_parameters=z.stage3_max_live_parameters,
+                       max_reuse_distance=z.stage3_max_reuse_distance)
+    param_dev = z.offload_param.device if z.offload_param is not None else "none"
+    opt_dev = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
+    if param_dev == "nvme" or opt_dev == "nvme":
+        if param_dev == "nvme" and opt_dev not in ("nvme", "none"):
+            raise ValueError(f"zero_optimization.offload_param.device 'nvme' with offload_optimizer.device "
+                             f"{opt_dev!r} is not supported yet: offload both to nvme, or only the optimizer")
+        section = z.offload_param if param_dev == "nvme" else z.offload_optimizer
+        if param_dev == opt_dev == "nvme" and z.offload_param.nvme_path != z.offload_optimizer.nvme_path:
+            raise ValueError(
+                "zero_optimization.offload_param.nvme_path and offload_optimizer.nvme_path differ "
+                f"({z.offload_param.nvme_path!r}, {z.offload_optimizer.nvme_path!r}): one state's swap files live "
+                "in one folder here; give both the same path")
+        pool = z.offload_param if z.offload_param is not None else OffloadParamConfig()
+        step = offload_nvme(step, section.nvme_path, params=param_dev == "nvme", optimizer=opt_dev == "nvme",
+                            buffer_count=pool.buffer_count, buffer_size=pool.buffer_size,
+                            sub_group_size=z.sub_group_size, aio=cfg.aio,
+                            **(coordinator if z.stage == 3 else {}))
+    elif opt_dev == "cpu":
+        step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory)
+    if z.stage == 1:
+        step = zero1(step, group=group)
+    elif z.stage == 2:
+        step = zero2(step, group=group)
+    elif z.stage == 3:
+        step = zero3(step, group=group, persistence_threshold=z.stage3_param_persistence_threshold, **coordinator)
+    elif group is not None:
+        step = zero1(step, group=group)  # a pipeline stage's replicas still average their gradients there
+    return step
