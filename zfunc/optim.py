@@ -51,24 +51,27 @@ scaling the gradients itself.
 
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
 of updates applied before the current one (0 for the first update), as
-``torch.optim.lr_scheduler.LambdaLR`` counts.
+``torch.optim.lr_scheduler.LambdaLR`` counts. The schedules live in
+:mod:`zfunc.lr_schedules` and are re-exported here (``zf.optim.linear_warmup``).
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
 
+from zfunc.lr_schedules import (  # noqa: F401  (the schedules are zf.optim's too)
+    ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup,
+    warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr,
+)
 from zfunc.ops import adam as fused_adam
 from zfunc.pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
 
 PyTree = Any
-Schedule = Callable[[int], float]
-ScalarOrSchedule = Union[float, Schedule]
 
 
 class GradientTransformation(NamedTuple):
@@ -274,7 +277,7 @@ def adam(
 
 
 def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
-    schedule = _as_schedule(name, lr)
+    schedule = as_schedule(name, lr)
     beta1, beta2 = betas
     for label, b in (("betas[0]", beta1), ("betas[1]", beta2)):
         if not 0.0 <= b < 1.0:
@@ -323,7 +326,7 @@ def sgd(
 
     The first update initialises each momentum buffer to the gradient, as torch does.
     """
-    schedule = _as_schedule("sgd", lr)
+    schedule = as_schedule("sgd", lr)
     if not momentum >= 0.0:
         raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
     if not weight_decay >= 0.0:
@@ -447,78 +450,3 @@ def _check_leaves(leaves, what, p_leaves, params, positions) -> None:
                 f"{format_path(accessors[i], root=what)} has shape {tuple(x.shape)} on {x.device} "
                 f"but the parameter has shape {tuple(p.shape)} on {p.device}; they must match."
             )
-
-
-# ----------------------------------------------------------------------- schedules
-
-
-def _as_schedule(name: str, lr: ScalarOrSchedule) -> Schedule:
-    if callable(lr):
-        return lr
-    if not isinstance(lr, (int, float)) or not lr >= 0.0:
-        raise ValueError(f"{name}: lr must be a float >= 0 or a schedule step -> float, got {lr!r}")
-    return constant(float(lr))
-
-
-def constant(value: float) -> Schedule:
-    """``step -> value``."""
-    value = float(value)
-    return lambda step: value
-
-
-def linear_schedule(
-    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
-) -> Schedule:
-    """Hold ``init_value`` until ``transition_begin``, move linearly to ``end_value``
-    over ``transition_steps`` steps, then hold ``end_value`` (``LinearLR``)."""
-    if transition_steps <= 0:
-        raise ValueError(f"linear_schedule: transition_steps must be > 0, got {transition_steps}")
-
-    def schedule(step):
-        frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
-        return init_value + (end_value - init_value) * frac
-
-    return schedule
-
-
-def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0) -> Schedule:
-    """Linear from ``init_value`` at step 0 to ``peak_value`` at ``warmup_steps``, then flat."""
-    if warmup_steps <= 0:
-        return constant(peak_value)
-    return linear_schedule(init_value, peak_value, warmup_steps)
-
-
-def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
-    """Half a cosine from ``init_value`` to ``alpha * init_value`` over ``decay_steps``,
-    then flat (``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)``)."""
-    return _cosine("cosine_decay", init_value, alpha * init_value, decay_steps)
-
-
-def warmup_cosine_decay(
-    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
-) -> Schedule:
-    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
-    half a cosine down to ``end_value``; ``decay_steps`` counts the warmup too."""
-    if decay_steps <= warmup_steps:
-        raise ValueError(
-            f"warmup_cosine_decay: decay_steps ({decay_steps}) counts the warmup and "
-            f"must exceed warmup_steps ({warmup_steps})"
-        )
-    warmup = linear_warmup(peak_value, warmup_steps, init_value)
-    decay = _cosine("warmup_cosine_decay", peak_value, end_value, decay_steps - warmup_steps)
-
-    def schedule(step):
-        return warmup(step) if step < warmup_steps else decay(step - warmup_steps)
-
-    return schedule
-
-
-def _cosine(name: str, start: float, end: float, steps: int) -> Schedule:
-    if steps <= 0:
-        raise ValueError(f"{name}: decay_steps must be > 0, got {steps}")
-
-    def schedule(step):
-        t = min(max(step, 0), steps) / steps
-        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-    return schedule
