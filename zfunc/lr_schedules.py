@@ -32,9 +32,10 @@ DeepSpeed's
 """
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Callable, Mapping, Union
+
+from zfunc.ops._names import unknown
 
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
@@ -259,7 +260,8 @@ def validate(section: Mapping[str, Any], where: str = "scheduler") -> tuple[str,
         raise ValueError(f"{where} must be a dict with 'type' and 'params', got {type(section).__name__}")
     for key in section:
         if key not in ("type", "params"):
-            raise ValueError(_unknown(f"{where}.{key}", key, ("type", "params")))
+            path = f"{where}.{key}"
+            raise ValueError(unknown(f"key {path!r}", key, ("type", "params"), label="valid keys"))
     if "type" not in section:
         raise ValueError(f"{where}.type is missing; one of {', '.join(SUPPORTED)}")
     kind = section["type"]
@@ -270,16 +272,16 @@ def validate(section: Mapping[str, Any], where: str = "scheduler") -> tuple[str,
         if isinstance(kind, str) and _is_torch_scheduler(kind):
             raise ValueError(f"{where}.type {kind!r}: torch.optim.lr_scheduler.{kind} is not supported yet "
                              f"(supported: {', '.join(SUPPORTED)}); pass a zfunc schedule as the optimizer's lr")
-        near = difflib.get_close_matches(str(kind), SUPPORTED + NOT_SUPPORTED_YET, n=1, cutoff=0.5)
-        hint = f": did you mean {near[0]!r}?" if near else ""
-        raise ValueError(f"unknown {where}.type {kind!r}{hint} (valid: {', '.join(SUPPORTED)})")
+        raise ValueError(unknown(f"{where}.type {kind!r}", kind, SUPPORTED,
+                                 candidates=SUPPORTED + NOT_SUPPORTED_YET, cutoff=0.5))
     params = section.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a dict, got {type(params).__name__}")
     known = PARAMS[kind]
     for key in params:
         if key not in known:
-            raise ValueError(_unknown(f"{where}.params.{key}", key, tuple(known), f"{kind}'s params"))
+            path = f"{where}.params.{key}"
+            raise ValueError(unknown(f"key {path!r}", key, tuple(known), label=f"{kind}'s params"))
     missing = [k for k, v in known.items() if v is REQUIRED and k not in params]
     if missing:
         raise ValueError(f"{where}.params.{missing[0]} is required for {kind}")
@@ -324,9 +326,3 @@ def _is_torch_scheduler(name: str) -> bool:
         return False
     cls = getattr(torch_sched, name, None)
     return isinstance(cls, type) and name[:1].isupper()
-
-
-def _unknown(path: str, key: str, valid: tuple[str, ...], what: str | None = None) -> str:
-    near = difflib.get_close_matches(key, valid, n=1)
-    hint = f": did you mean {near[0]!r}?" if near else ""
-    return f"unknown key {path!r}{hint} ({what or 'valid keys'}: {', '.join(valid)})"

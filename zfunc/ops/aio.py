@@ -31,7 +31,6 @@ block succeeded, and removed otherwise.
 from __future__ import annotations
 
 import ctypes
-import difflib
 import errno as _errno
 import math
 import os
@@ -43,6 +42,7 @@ from typing import Mapping, Sequence
 import torch
 
 from . import builder
+from ._names import unknown
 
 __all__ = [
     "ALIGNMENT", "BACKENDS", "AsyncIO", "aligned_empty", "available_backends",
@@ -471,10 +471,7 @@ class AsyncIO:
         args: dict[str, object] = {}
         for key, value in config.items():
             if key not in cls._CONFIG_KEYS:
-                near = difflib.get_close_matches(key, cls._CONFIG_KEYS, n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(f"unknown aio config key {key!r}{hint} "
-                                 f"(valid: {', '.join(cls._CONFIG_KEYS)})")
+                raise ValueError(unknown(f"aio config key {key!r}", key, cls._CONFIG_KEYS, sep="; "))
             if key == "use_gds":
                 if value:
                     raise ValueError("aio.use_gds: GPUDirect Storage is not supported; "
