@@ -434,11 +434,11 @@ class OffloadNvme(Transform):
             n = layout.shard_numel(padded, w) if place.params_sharded else padded
             n_opt = layout.shard_numel(padded, w) if place.opt_sharded or place.params_sharded else padded
             n_grad = layout.shard_numel(padded, w) if grad_is_shard(place, place.params_sharded) else padded
-            item = _itemsize(place.param_dtype or unit.trainable.dtype)
+            item = (place.param_dtype or unit.trainable.dtype).itemsize
             if self.params:  # frozen parameters are read into the pool too: the largest file sizes its buffers
                 n_frozen = layout.shard_numel(unit.frozen.padded, w) if place.params_sharded else unit.frozen.padded
-                frozen_item = _itemsize(place.frozen_dtype or unit.frozen.dtype)
-                need += n * (item + _itemsize(unit.trainable.dtype))  # the file, and its staging copy at init
+                frozen_item = (place.frozen_dtype or unit.frozen.dtype).itemsize
+                need += n * (item + unit.trainable.dtype.itemsize)  # the file, and its staging copy at init
                 need += n_frozen * frozen_item
                 on_disk += [(n, n * item, unit.name), (n_frozen, n_frozen * frozen_item, unit.name)]
             need += n_grad * (4 if accumulates else item)  # accumulate sums in fp32
@@ -461,10 +461,6 @@ class OffloadNvme(Transform):
                 dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
                 store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
         return store
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _optimizer_bytes_per_element(optimizer) -> int:

@@ -65,11 +65,7 @@ class SwapFile:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -172,7 +168,7 @@ class BufferPool:
         self.peak_in_use = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * _itemsize(dtype)
+        nbytes = numel * dtype.itemsize
         if nbytes <= self.nbytes and (self._free or self.made < self.count):
             if self._free:
                 raw = self._free.pop()

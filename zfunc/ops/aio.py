@@ -121,8 +121,7 @@ def aligned_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, 
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     huge = _huge_page_size() if not pin_memory else 0
     if huge_pages is None:
         huge_pages = bool(huge) and nbytes >= 4 * huge
