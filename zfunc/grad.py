@@ -315,7 +315,7 @@ def zeros_for_unused(grads: Params) -> Params:
     w = dist.world_size(spec.process_group)
     leaves = [
         g if g is not None else torch.zeros(
-            layout.shard_numel(spec.segment(i).padded, w) if spec.sharded[i] else spec.segment(i).padded,
+            layout.home_numel(spec.segment(i).padded, w, spec.sharded[i]),
             dtype=spec.placements[i].param_dtype or spec.segment(i).dtype, device=_device(grads))
         for i, g in enumerate(grads.leaves)
     ]

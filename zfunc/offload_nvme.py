@@ -431,12 +431,12 @@ class OffloadNvme(Transform):
         on_disk = []  # (elements, bytes, unit name) of each parameter file read into the pool
         for i, (unit, place) in enumerate(zip(spec.units, places)):
             padded = unit.trainable.padded
-            n = layout.shard_numel(padded, w) if place.params_sharded else padded
-            n_opt = layout.shard_numel(padded, w) if place.opt_sharded or place.params_sharded else padded
-            n_grad = layout.shard_numel(padded, w) if grad_is_shard(place, place.params_sharded) else padded
+            n = layout.home_numel(padded, w, place.params_sharded)
+            n_opt = layout.home_numel(padded, w, place.opt_sharded or place.params_sharded)
+            n_grad = layout.home_numel(padded, w, grad_is_shard(place, place.params_sharded))
             item = (place.param_dtype or unit.trainable.dtype).itemsize
             if self.params:  # frozen parameters are read into the pool too: the largest file sizes its buffers
-                n_frozen = layout.shard_numel(unit.frozen.padded, w) if place.params_sharded else unit.frozen.padded
+                n_frozen = layout.home_numel(unit.frozen.padded, w, place.params_sharded)
                 frozen_item = (place.frozen_dtype or unit.frozen.dtype).itemsize
                 need += n * (item + unit.trainable.dtype.itemsize)  # the file, and its staging copy at init
                 need += n_frozen * frozen_item
@@ -444,7 +444,7 @@ class OffloadNvme(Transform):
             need += n_grad * (4 if accumulates else item)  # accumulate sums in fp32
             if self.optimizer:
                 need += n_opt * per_elem
-            shard_start = r * layout.shard_numel(padded, w) if padded else 0
+            shard_start = layout.shard_start(r, layout.shard_numel(padded, w))
             sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
                           shard_start if n_grad != padded else 0))
         largest, _, name = max(on_disk, default=(0, 0, ""))

@@ -186,7 +186,7 @@ class Step:
                 dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
                 leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
                 if store is not None and places[i].param_home == NVME and leaf.numel():
-                    start = r * leaf.numel() if places[i].params_sharded else 0
+                    start = layout.shard_start(r, leaf.numel()) if places[i].params_sharded else 0
                     if out is trainable:  # the optimizer's init reads these values back once
                         leaf = store.stage(i, spec.units[i].name, leaf, places[i].param_dtype or leaf.dtype, start)
                     else:  # frozen: written once, in the dtype they are stored in
