@@ -213,7 +213,7 @@ class Step:
         if precision is not None:
             buffers = {name: precision.cast_buffer(name, b) for name, b in buffers.items()}
         if free_model:
-            lazy.swap_in(model, spec.canonical_name)
+            lazy.install_stand_ins(model, spec.canonical_name)
         scaler = self.loss_scaler
         return State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan(),
                      loss_scale=None if scaler is None else scaler.init())
