@@ -80,7 +80,6 @@ class ModelSpec:
     units: tuple[Unit, ...]
     owner: tuple[tuple[str, tuple[int, bool]], ...]  # name (aliases too) -> (unit, trainable)
     canonical: tuple[tuple[str, str], ...]  # alias -> first name
-    world: int
 
     def owner_of(self, name: str) -> tuple[int, bool]:
         return self._owner[name]
@@ -202,7 +201,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
         (name, owner_of_first[canonical.get(name, name)])
         for name, _ in model.named_parameters(remove_duplicate=False)
     )
-    return ModelSpec(tuple(built), owner, tuple(canonical.items()), world)
+    return ModelSpec(tuple(built), owner, tuple(canonical.items()))
 
 
 def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
