@@ -54,7 +54,7 @@ from .coordinator import prefetch_settings
 from .grad import grad_spec
 from .offload import GradOffHome, with_grad_sink
 from .ops import cpu_adam
-from .optim import GradInfo, Optimizer, apply_update, fusing
+from .optim import GradInfo, Optimizer, apply_update
 from .placement import CPU, NVME, Placement, grad_is_shard, optimizer_slices
 from .pytree import NAMESPACE, register_node
 from .step import Step
@@ -177,7 +177,7 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
             raise ValueError("offload_nvme goes outside mixed_precision: zeroN(offload_nvme(mixed_precision(f)))")
         return _Update(optimizer, grads, opt_state, params, info, sub_group_size).run()
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 class _Update:

@@ -44,7 +44,7 @@ What a step knows, folded in. A training step calls ``update`` with keywords
 the true ones: loss-scale unscale, 1/micro-batches; ``sq_norm``: their squared
 global norm as handed over, already read to check for inf/NaN) and, under
 mixed precision, ``lowp_params`` (low-precision copies to write the updated
-parameters to). zfunc's optimizers and ``chain`` take them (``fusing``), so
+parameters to). zfunc's optimizers and ``chain`` take them (``fuses=True``), so
 unscale, the clip factor, the update and the cast are one kernel pass over
 the gradients; ``apply_update`` calls any other optimizer plainly, after
 scaling the gradients itself.
@@ -79,6 +79,7 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[..., tuple[PyTree, PyTree]]
+    fuses: bool = False  # update takes ``info=`` (see the module docstring)
 
 
 class Optimizer(NamedTuple):
@@ -86,6 +87,7 @@ class Optimizer(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+    fuses: bool = False  # update takes ``info=`` and ``lowp_params=`` (see the module docstring)
 
 
 @dataclass
@@ -105,12 +107,6 @@ class GradInfo:
         """The global norm of the true gradients (``updates`` times ``scale``)."""
         sq = self.sq_norm if self.sq_norm is not None else float(global_norm(updates)) ** 2
         return math.sqrt(sq) * self.scale
-
-
-def fusing(update: Callable) -> Callable:
-    """Mark ``update`` as taking ``info=`` and ``lowp_params=`` (see the module docstring)."""
-    update.fuses = True
-    return update
 
 
 def _scale_(tree, scale: float | torch.Tensor) -> None:
@@ -137,7 +133,7 @@ def apply_update(optimizer: "Optimizer", grads, opt_state, params, *, info: Grad
     """``optimizer.update``, with ``info`` and ``lowp_params`` folded in by the
     optimizer when it takes them, else done here: gradients scaled in place
     first, updated parameters cast into ``lowp_params`` after."""
-    if getattr(optimizer.update, "fuses", False):
+    if getattr(optimizer, "fuses", False):
         kw = {k: v for k, v in (("info", info), ("lowp_params", lowp_params)) if v is not None}
         return optimizer.update(grads, opt_state, params, **kw)
     _realize(grads, info)
@@ -200,7 +196,7 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
             )
         new_state = []
         for t, s in zip(grad_tx, state):
-            if info is not None and getattr(t.update, "fuses", False):
+            if info is not None and t.fuses:
                 updates, s = t.update(updates, s, params, info=info)
             else:
                 _realize(updates, info)  # a transformation that reads the true values
@@ -215,14 +211,14 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
                                         lowp_params=lowp_params)
             return params, (*new_state, last)
 
-        return Optimizer(init, fusing(update))
+        return Optimizer(init, update, fuses=True)
 
     def update(updates, state, params=None, *, info=None):
         updates, new_state = transform_grads(updates, state, params, info)
         _realize(updates, info)  # whoever reads these updates next expects true values
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, fusing(update))
+    return GradientTransformation(init, update, fuses=True)
 
 
 # ------------------------------------------------------------------------ clipping
@@ -250,7 +246,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         _scale_(updates, torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0))
         return updates, state
 
-    return GradientTransformation(init, fusing(update))
+    return GradientTransformation(init, update, fuses=True)
 
 
 # ---------------------------------------------------------------------- optimizers
@@ -312,7 +308,7 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
             )
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 def sgd(
@@ -378,7 +374,7 @@ def sgd(
                 torch._foreach_copy_([lows[i] for i in idx], p)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 def _zero_count() -> torch.Tensor:
