@@ -305,7 +305,7 @@ class SwapStore:
     def arm(self, phase: str, handle: aio.AsyncIO) -> None:
         err = self._faults.pop(phase, None)
         if err is not None:
-            handle._inject_error(err, 0)
+            handle.inject_error(err)
 
     UNCHANGED = ("; nothing this state keeps was changed: fix the cause (free the disk) and call the "
                  "step again with the same state")

@@ -539,9 +539,10 @@ class AsyncIO:
         self._held.clear()
         self._growing = 0
 
-    def _inject_error(self, err: int, after_bytes: int = 0) -> None:
-        """Fault injection for tests: the next request fails with ``err`` for every
-        block that goes past its first ``after_bytes`` bytes."""
+    def inject_error(self, err: int, after_bytes: int = 0) -> None:
+        """The fault-injection entry point (tests, and ``zfunc.swap``'s fault switch):
+        the next request fails with ``err`` for every block that goes past its first
+        ``after_bytes`` bytes, in every back end."""
         self._impl._inject_error(err, after_bytes)
 
     def close(self) -> None:
