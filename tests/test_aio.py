@@ -200,7 +200,7 @@ def test_injected_enospc_leaves_no_complete_file(tmp, backend, after):
     data.copy_(_random_bytes(600_000, 3))
     other = tmp / "other.bin"
     with aio.AsyncIO(block_size=64 * KiB, thread_count=2, backend=backend) as io:
-        io._inject_error(errno.ENOSPC, after_bytes=after)
+        io.inject_error(errno.ENOSPC, after_bytes=after)
         io.write_atomic(data, path)
         io.pwrite(data, other)  # an unrelated request still completes
         with pytest.raises(OSError) as info:
@@ -221,7 +221,7 @@ def test_injected_eio_on_read(tmp, backend):
     path.write_bytes(bytes(range(256)) * 1000)
     out = torch.empty(256_000, dtype=torch.uint8)
     with aio.AsyncIO(block_size=8192, backend=backend) as io:
-        io._inject_error(errno.EIO, after_bytes=100_000)
+        io.inject_error(errno.EIO, after_bytes=100_000)
         io.pread(out, path, 0)
         with pytest.raises(OSError) as info:
             io.wait()
@@ -238,9 +238,9 @@ def test_injected_eio_on_read(tmp, backend):
 def test_several_failures_are_counted(tmp, backend):
     data = torch.ones(10_000, dtype=torch.uint8)
     with aio.AsyncIO(backend=backend) as io:
-        io._inject_error(errno.EIO)
+        io.inject_error(errno.EIO)
         io.pwrite(data, tmp / "a")
-        io._inject_error(errno.EIO)
+        io.inject_error(errno.EIO)
         io.pwrite(data, tmp / "b")
         with pytest.raises(OSError, match="1 more failed request"):
             io.wait()
@@ -352,7 +352,7 @@ def test_failed_plain_write_does_not_grow_file(tmp, backend):
     path.write_bytes(b"abc")
     data = aio.aligned_empty(1 << 20)
     with aio.AsyncIO(block_size=64 * KiB, backend=backend) as io:
-        io._inject_error(errno.EIO)
+        io.inject_error(errno.EIO)
         io.pwrite(data, path, 4096)
         with pytest.raises(OSError, match="Input/output error while writing"):
             io.wait()

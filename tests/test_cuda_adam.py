@@ -1,7 +1,7 @@
 """The multi-tensor CUDA Adam (zfunc.ops.cuda_adam) against Adam in float64 (tests/adam_reference.py).
 
 Every numerical test runs twice: on a GPU where torch sees one, and always on
-the kernel's CPU emulation (``cuda_adam.load_emulated()``: the same kernel
+the kernel's CPU emulation (``cuda_adam.emulated()``: the same kernel
 source compiled by g++, its grid run block by block, thread by thread), so
 machines without a GPU, CI among them, test the kernel's math, chunking and
 tails. Where nvcc is installed, the device code is also compiled for sm_90.
@@ -94,7 +94,7 @@ class Backend:
             self.device = torch.device("cuda")
             self.update = adam.adam_update_  # routes CUDA tensors to the kernel
             return
-        module = cuda_adam.load_emulated()
+        module = cuda_adam.emulated()
         assert module is not None, _row(cuda_adam.NAME + "_emulated")["reason"]
         self.device = torch.device("cpu")
 
@@ -217,7 +217,7 @@ def test_mixed_dtypes_in_one_call(backend):
 
 
 def test_bad_lists_are_clear_errors():
-    module = cuda_adam.load_emulated()
+    module = cuda_adam.emulated()
     assert module is not None, _row(cuda_adam.NAME + "_emulated")["reason"]
     p, z = torch.zeros(7), torch.zeros(7)
     kw = dict(step=1, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0,

@@ -21,13 +21,13 @@ def fresh(monkeypatch):
 
     def name(n):
         names.append(n)
-        builder._forget(n)
+        builder.forget(n)
         return n
 
     monkeypatch.delenv("ZFUNC_OPS_DISABLE", raising=False)
     yield name
     for n in names:
-        builder._forget(n)
+        builder.forget(n)
 
 
 def _row(name):

@@ -38,7 +38,7 @@ def use_large_blocks() -> bool:
 def empty(numel: int, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialized 1-D tensor; on CPU and at least ``MIN_BYTES``, in its own mapping."""
     device = torch.device(device)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or large_blocks.installed():
         return torch.empty(numel, dtype=dtype, device=device)
     mapping = mmap.mmap(-1, nbytes)  # zero-filled by the OS

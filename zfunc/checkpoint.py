@@ -51,7 +51,7 @@ import optree
 import torch
 
 from . import checkpoint_folders as folders
-from . import dist, swap
+from . import dist, layout, swap
 from .checkpoint_io import DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, read_json, write_json
 from .pytree import NAMESPACE, tree_unflatten
 from .state import INNER, wrapper_role
@@ -251,7 +251,7 @@ class Saved:
         shard = math.prod(self.files[0].entry(key)["shape"])
         pieces, pos = [], start
         while pos < stop:
-            k, offset = divmod(pos, shard)
+            k, offset = layout.owner(pos, shard)
             take = min(shard - offset, stop - pos)
             pieces.append((self.files[k], key, offset, offset + take, pos - start))
             pos += take
@@ -387,7 +387,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
                 if leaf is None or (leaf.dim() and not leaf.numel()):
                     continue
                 # this rank's part of the unit laid out for this world size: its shard, or all of it
-                start = r * leaf.numel() if not _is_whole(leaf, sharded) else 0
+                start = layout.shard_start(r, leaf.numel()) if not _is_whole(leaf, sharded) else 0
                 src, j = locate(i)
                 reads.append((src, src_role, j, start, leaf.numel()))
     wholes = [(saved, role, None, 0, 0) for role, node in zip(from_roles, nodes)

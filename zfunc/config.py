@@ -19,7 +19,6 @@ anywhere else it is an error, as it would be in DeepSpeed.
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from zfunc import lr_schedules
+from zfunc.ops._names import nearest, unknown
 
 # ----------------------------------------------------------------------- the records
 
@@ -316,9 +316,9 @@ class _Section:
 
 def _unknown(path: str, key: str, valid, where: str) -> str:
     valid = sorted(set(valid))
-    near = difflib.get_close_matches(key, valid, n=1)
+    near = nearest(key, valid)
     if near:
-        return f"unknown key {path!r}: did you mean {near[0]!r}?"
+        return f"unknown key {path!r}: did you mean {near!r}?"
     place = f"in {where}" if where else "at the top level"
     return f"unknown key {path!r} (valid keys {place}: {', '.join(valid)})"
 
@@ -404,9 +404,8 @@ def _optimizer(sec: _Section | None, ignored: list) -> OptimizerConfig | None:
         if not_yet:
             raise ValueError(f"optimizer.type {kind!r}: the {not_yet[0]} optimizer is not supported yet "
                              "(supported: Adam, AdamW, SGD)")
-        near = difflib.get_close_matches(kind, ["Adam", "AdamW", "SGD"], n=1, cutoff=0.5)
-        hint = f": did you mean {near[0]!r}?" if near else ""
-        raise ValueError(f"unknown optimizer.type {kind!r}{hint} (supported: Adam, AdamW, SGD)")
+        raise ValueError(unknown(f"optimizer.type {kind!r}", kind, ("Adam", "AdamW", "SGD"),
+                                 label="supported", cutoff=0.5))
     p = sec.sub("params") or _Section({}, "optimizer.params", ignored)
     sec.finish()
     if "max_grad_norm" in p.data:  # DeepSpeed raises on it too

@@ -28,12 +28,11 @@ import torch
 from torch import nn
 
 from . import checkpoint, dist, lazy, swap
-from .compose import build_optimizer, compose, current_lr
+from .compose import build_optimizer, compose
 from .sinks import GradSink, Sink
 from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
 from .loop import Loop
 from .materialize import Materialize
-from .state import gather_params
 from .step import Step, eval_step, train_step
 from .tree import Params
 

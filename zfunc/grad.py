@@ -31,7 +31,7 @@ from torch.func import functional_call
 
 from . import dist, layout, lazy
 from . import coordinator as coordination
-from .materialize import Tracker, Units
+from .materialize import Materializer, Tracker
 from .placement import grad_is_shard
 from .pytree import tree_flatten, tree_map, tree_unflatten
 from .tree import ModelSpec, Params, ParamsSpec
@@ -44,13 +44,13 @@ class ParamView(Mapping):
     weight) stays materialized until ``loss_fn`` returns.
     """
 
-    def __init__(self, spec: ModelSpec, trainable: Units, frozen: Units | None, buffers: Mapping[str, torch.Tensor]):
+    def __init__(self, spec: ModelSpec, trainable: Materializer, frozen: Materializer | None, buffers: Mapping[str, torch.Tensor]):
         self.spec = spec
         self._groups = {True: trainable, False: frozen}
         self.buffers = dict(buffers)
-        self._scopes: list[list[tuple[Units, int]]] = [[]]
+        self._scopes: list[list[tuple[Materializer, int]]] = [[]]
         self._checked: set[int] = set()
-        self._swapped: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
+        self._own_params: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
         # mixed precision: floating-point inputs of zf.apply take the compute dtype (as FSDP2's
         # cast_forward_inputs), so a float32 batch runs in the model's dtype
         self.input_dtype = next((p.param_dtype for p in trainable.spec.placements if p.param_dtype), None)
@@ -90,8 +90,8 @@ class ParamView(Mapping):
 
     def restore_models(self) -> None:
         """Give models that kept their parameters their own tensors back."""
-        lazy.swap_out(self._swapped)
-        self._swapped = []
+        lazy.restore_parameters(self._own_params)
+        self._own_params = []
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         if id(model) not in self._checked:
@@ -99,13 +99,13 @@ class ParamView(Mapping):
             self._checked.add(id(model))
             # a model that kept its parameters (init(free_model=False)) gets stand-ins
             # until the step is over, so every read of a weight sees the state's value
-            self._swapped += lazy.swap_in(model, self.spec.canonical_name)
+            self._own_params += lazy.install_stand_ins(model, self.spec.canonical_name)
         handles = []
         root, sites = _sites(model, self.spec)
         for module, slots in sites:
-            swap = _UnitSwap(self, slots)
-            handles.append(module.register_forward_pre_hook(swap.enter))
-            handles.append(module.register_forward_hook(swap.exit, always_call=True))
+            fill = _UnitSlots(self, slots)
+            handles.append(module.register_forward_pre_hook(fill.enter))
+            handles.append(module.register_forward_hook(fill.exit, always_call=True))
         if self.input_dtype is not None:
             cast = lambda t: t.to(self.input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, (tuple(args), dict(kwargs)))
@@ -142,7 +142,7 @@ def _sites(model: nn.Module, spec: ModelSpec):
     return cached[1], cached[2]
 
 
-class _UnitSwap:
+class _UnitSlots:
     """Forward hooks that put a unit's materialized tensors into its modules, then take them out."""
 
     def __init__(self, view: ParamView, slots: tuple):
@@ -153,7 +153,7 @@ class _UnitSwap:
     def enter(self, module, args):
         self.view.open_scope()
         old = []
-        self.saved.append(old)  # first: if materializing fails, exit restores what was swapped
+        self.saved.append(old)  # first: if materializing fails, exit restores what was replaced
         for name, mod, attr in self.slots:
             value = self.view[name]
             old.append(mod._parameters[attr])
@@ -249,8 +249,8 @@ def materialized(params: Params, frozen: Params | None, buffers: Mapping, *, dif
     tracker = Tracker()
     coordinator = coordination.current()
     tracker.run = None if coordinator is None else coordinator.begin(params.spec.model)
-    trainable = Units(params, tracker, differentiable=differentiable)
-    frozen_units = Units(frozen, tracker, kind="f") if frozen is not None else None
+    trainable = Materializer(params, tracker, differentiable=differentiable)
+    frozen_units = Materializer(frozen, tracker, kind="f") if frozen is not None else None
     view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
     if tracker.run is not None:
         tracker.run.start()
@@ -320,7 +320,7 @@ def zeros_for_unused(grads: Params) -> Params:
     w = dist.world_size(spec.process_group)
     leaves = [
         g if g is not None else torch.zeros(
-            layout.shard_numel(spec.segment(i).padded, w) if spec.sharded[i] else spec.segment(i).padded,
+            layout.home_numel(spec.segment(i).padded, w, spec.sharded[i]),
             dtype=spec.placements[i].param_dtype or spec.segment(i).dtype, device=_device(grads))
         for i, g in enumerate(grads.leaves)
     ]

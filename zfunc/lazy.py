@@ -94,8 +94,8 @@ def stand_ins(model: nn.Module, canonical) -> dict[int, LazyParameter]:
     return made
 
 
-def swap_in(model: nn.Module, canonical) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Put stand-ins in every parameter slot; return what was there, for ``swap_out``."""
+def install_stand_ins(model: nn.Module, canonical) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Put stand-ins in every parameter slot; return what was there, for ``restore_parameters``."""
     made = stand_ins(model, canonical)
     old = []
     for module in model.modules():
@@ -106,6 +106,7 @@ def swap_in(model: nn.Module, canonical) -> list[tuple[nn.Module, str, nn.Parame
     return old
 
 
-def swap_out(old) -> None:
+def restore_parameters(old) -> None:
+    """Put back the parameters ``install_stand_ins`` took out."""
     for module, attr, p in old:
         module._parameters[attr] = p

@@ -1,32 +1,44 @@
-"""DeepSpeed's learning-rate schedulers as zfunc schedules ``step -> lr``.
+"""Learning-rate schedules: functions ``step -> lr``, the one ``Schedule`` type.
 
 A zfunc optimizer calls its schedule with ``step``, the number of updates
-applied before the current one (0 for the first). DeepSpeed instead sets the
-torch param groups' lr when it builds the scheduler and again in
-``scheduler.step()``, which its engine calls *after* each optimizer step. So
-update ``step`` runs with the lr DeepSpeed computes for its
-``last_batch_iteration = step - 1``, and the first update (iteration -1) runs
-at ``warmup_min_lr`` (``WarmupLR``, ``WarmupDecayLR``) or at 0
-(``WarmupCosineLR``). The functions here reproduce that exactly, so a run
-configured from a DeepSpeed JSON gets the same lr at every update.
+applied before the current one (0 for the first), as
+``torch.optim.lr_scheduler.LambdaLR`` counts. Two families live here, both
+re-exported by :mod:`zfunc.optim`:
 
-Also as in DeepSpeed: a warmup shorter than 2 steps is stretched to 2 (the log
-warmup divides by ``log(warmup_num_steps)``); the log warmup rises as
-``log(i + 1) / log(warmup_num_steps)``, the linear one as ``i / warmup_num_steps``.
-Where DeepSpeed only logs a warning (an unknown ``warmup_type``, a total shorter
-than the warmup) these raise, naming the key.
+optax-style
+    :func:`constant`, :func:`linear_schedule`, :func:`linear_warmup`,
+    :func:`cosine_decay`, :func:`warmup_cosine_decay`; each matches the torch
+    scheduler named in its docstring.
 
-:func:`from_config` builds one from a DeepSpeed ``"scheduler"`` section;
-:func:`validate` checks a section without building it (the config parser uses it
-before the optimizer's lr is known).
+DeepSpeed's
+    :func:`warmup_lr`, :func:`warmup_decay_lr`, :func:`warmup_cosine_lr`.
+    DeepSpeed sets the torch param groups' lr when it builds the scheduler and
+    again in ``scheduler.step()``, which its engine calls *after* each optimizer
+    step. So update ``step`` runs with the lr DeepSpeed computes for its
+    ``last_batch_iteration = step - 1``, and the first update (iteration -1)
+    runs at ``warmup_min_lr`` (``WarmupLR``, ``WarmupDecayLR``) or at 0
+    (``WarmupCosineLR``). The functions here reproduce that exactly, so a run
+    configured from a DeepSpeed JSON gets the same lr at every update.
+
+    Also as in DeepSpeed: a warmup shorter than 2 steps is stretched to 2 (the
+    log warmup divides by ``log(warmup_num_steps)``); the log warmup rises as
+    ``log(i + 1) / log(warmup_num_steps)``, the linear one as
+    ``i / warmup_num_steps``. Where DeepSpeed only logs a warning (an unknown
+    ``warmup_type``, a total shorter than the warmup) these raise, naming the key.
+
+    :func:`from_config` builds one from a DeepSpeed ``"scheduler"`` section;
+    :func:`validate` checks a section without building it (the config parser
+    uses it before the optimizer's lr is known).
 """
 from __future__ import annotations
 
-import difflib
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Union
+
+from zfunc.ops._names import unknown
 
 Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
 
 WARMUP_TYPES = ("log", "linear")
 SUPPORTED = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
@@ -46,7 +58,84 @@ PARAMS: dict[str, dict[str, Any]] = {
 }
 
 
-# ------------------------------------------------------------------- the schedules
+# ------------------------------------------------------------- optax-style schedules
+
+
+def as_schedule(name: str, lr: ScalarOrSchedule) -> Schedule:
+    """``lr`` as a schedule: a callable as it is, a number ``>= 0`` as :func:`constant`;
+    ``name`` (the optimizer's) is in the error."""
+    if callable(lr):
+        return lr
+    if not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"{name}: lr must be a float >= 0 or a schedule step -> float, got {lr!r}")
+    return constant(float(lr))
+
+
+def constant(value: float) -> Schedule:
+    """``step -> value``."""
+    value = float(value)
+    return lambda step: value
+
+
+def linear_schedule(
+    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
+) -> Schedule:
+    """Hold ``init_value`` until ``transition_begin``, move linearly to ``end_value``
+    over ``transition_steps`` steps, then hold ``end_value`` (``LinearLR``)."""
+    if transition_steps <= 0:
+        raise ValueError(f"linear_schedule: transition_steps must be > 0, got {transition_steps}")
+
+    def schedule(step):
+        frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
+        return init_value + (end_value - init_value) * frac
+
+    return schedule
+
+
+def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0) -> Schedule:
+    """Linear from ``init_value`` at step 0 to ``peak_value`` at ``warmup_steps``, then flat."""
+    if warmup_steps <= 0:
+        return constant(peak_value)
+    return linear_schedule(init_value, peak_value, warmup_steps)
+
+
+def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
+    """Half a cosine from ``init_value`` to ``alpha * init_value`` over ``decay_steps``,
+    then flat (``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)``)."""
+    return _cosine("cosine_decay", init_value, alpha * init_value, decay_steps)
+
+
+def warmup_cosine_decay(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
+) -> Schedule:
+    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
+    half a cosine down to ``end_value``; ``decay_steps`` counts the warmup too."""
+    if decay_steps <= warmup_steps:
+        raise ValueError(
+            f"warmup_cosine_decay: decay_steps ({decay_steps}) counts the warmup and "
+            f"must exceed warmup_steps ({warmup_steps})"
+        )
+    warmup = linear_warmup(peak_value, warmup_steps, init_value)
+    decay = _cosine("warmup_cosine_decay", peak_value, end_value, decay_steps - warmup_steps)
+
+    def schedule(step):
+        return warmup(step) if step < warmup_steps else decay(step - warmup_steps)
+
+    return schedule
+
+
+def _cosine(name: str, start: float, end: float, steps: int) -> Schedule:
+    if steps <= 0:
+        raise ValueError(f"{name}: decay_steps must be > 0, got {steps}")
+
+    def schedule(step):
+        t = min(max(step, 0), steps) / steps
+        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return schedule
+
+
+# ------------------------------------------------------------ DeepSpeed's schedules
 
 
 def warmup_lr(warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000,
@@ -171,7 +260,8 @@ def validate(section: Mapping[str, Any], where: str = "scheduler") -> tuple[str,
         raise ValueError(f"{where} must be a dict with 'type' and 'params', got {type(section).__name__}")
     for key in section:
         if key not in ("type", "params"):
-            raise ValueError(_unknown(f"{where}.{key}", key, ("type", "params")))
+            path = f"{where}.{key}"
+            raise ValueError(unknown(f"key {path!r}", key, ("type", "params"), label="valid keys"))
     if "type" not in section:
         raise ValueError(f"{where}.type is missing; one of {', '.join(SUPPORTED)}")
     kind = section["type"]
@@ -182,16 +272,16 @@ def validate(section: Mapping[str, Any], where: str = "scheduler") -> tuple[str,
         if isinstance(kind, str) and _is_torch_scheduler(kind):
             raise ValueError(f"{where}.type {kind!r}: torch.optim.lr_scheduler.{kind} is not supported yet "
                              f"(supported: {', '.join(SUPPORTED)}); pass a zfunc schedule as the optimizer's lr")
-        near = difflib.get_close_matches(str(kind), SUPPORTED + NOT_SUPPORTED_YET, n=1, cutoff=0.5)
-        hint = f": did you mean {near[0]!r}?" if near else ""
-        raise ValueError(f"unknown {where}.type {kind!r}{hint} (valid: {', '.join(SUPPORTED)})")
+        raise ValueError(unknown(f"{where}.type {kind!r}", kind, SUPPORTED,
+                                 candidates=SUPPORTED + NOT_SUPPORTED_YET, cutoff=0.5))
     params = section.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}.params must be a dict, got {type(params).__name__}")
     known = PARAMS[kind]
     for key in params:
         if key not in known:
-            raise ValueError(_unknown(f"{where}.params.{key}", key, tuple(known), f"{kind}'s params"))
+            path = f"{where}.params.{key}"
+            raise ValueError(unknown(f"key {path!r}", key, tuple(known), label=f"{kind}'s params"))
     missing = [k for k, v in known.items() if v is REQUIRED and k not in params]
     if missing:
         raise ValueError(f"{where}.params.{missing[0]} is required for {kind}")
@@ -236,9 +326,3 @@ def _is_torch_scheduler(name: str) -> bool:
         return False
     cls = getattr(torch_sched, name, None)
     return isinstance(cls, type) and name[:1].isupper()
-
-
-def _unknown(path: str, key: str, valid: tuple[str, ...], what: str | None = None) -> str:
-    near = difflib.get_close_matches(key, valid, n=1)
-    hint = f": did you mean {near[0]!r}?" if near else ""
-    return f"unknown key {path!r}{hint} ({what or 'valid keys'}: {', '.join(valid)})"

@@ -333,7 +333,7 @@ class Tracker:
         self.backward_started.clear()
 
 
-class Units:
+class Materializer:
     """Materializes the units of a ``Params`` node on demand, with reference counts.
 
     With ``differentiable``, each unit gets an autograd anchor (``anchors``)

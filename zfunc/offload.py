@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .grad import grad_spec
-from .optim import Optimizer, apply_update, fusing
+from .optim import Optimizer, apply_update
 from .placement import CPU, DEVICE, Placement
 from .pytree import tree_leaves, tree_map
 from .sinks import GradOffHome, with_grad_sink
@@ -96,7 +96,7 @@ def host_optimizer(optimizer: Optimizer, pin: bool) -> Optimizer:
         tree_map(lambda dst, src: dst.copy_(src, non_blocking=pin), params, host)
         return params, HostState(host, inner)
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 class Offload(Transform):

@@ -53,7 +53,7 @@ from .buffers import trim as trim_heap
 from .coordinator import prefetch_settings
 from .grad import grad_spec
 from .ops import cpu_adam
-from .optim import GradInfo, Optimizer, apply_update, fusing
+from .optim import GradInfo, Optimizer, apply_update
 from .placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
 from .pytree import NAMESPACE, register_node
 from .sinks import GradOffHome, with_grad_sink
@@ -170,7 +170,7 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
             raise ValueError("offload_nvme goes outside mixed_precision: zeroN(offload_nvme(mixed_precision(f)))")
         return _Update(optimizer, grads, opt_state, params, info, sub_group_size).run()
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 class _Update:
@@ -455,20 +455,20 @@ class OffloadNvme(Transform):
         on_disk = []  # (elements, bytes, unit name) of each parameter file read into the pool
         for i, (unit, place) in enumerate(zip(spec.units, places)):
             padded = unit.trainable.padded
-            n = layout.shard_numel(padded, w) if place.params_sharded else padded
-            n_opt = layout.shard_numel(padded, w) if place.opt_sharded or place.params_sharded else padded
-            n_grad = layout.shard_numel(padded, w) if grad_is_shard(place, place.params_sharded) else padded
-            item = _itemsize(place.param_dtype or unit.trainable.dtype)
+            n = layout.home_numel(padded, w, place.params_sharded)
+            n_opt = layout.home_numel(padded, w, place.opt_sharded or place.params_sharded)
+            n_grad = layout.home_numel(padded, w, grad_is_shard(place, place.params_sharded))
+            item = (place.param_dtype or unit.trainable.dtype).itemsize
             if self.params:  # frozen parameters are read into the pool too: the largest file sizes its buffers
-                n_frozen = layout.shard_numel(unit.frozen.padded, w) if place.params_sharded else unit.frozen.padded
-                frozen_item = _itemsize(place.frozen_dtype or unit.frozen.dtype)
-                need += n * (item + _itemsize(unit.trainable.dtype))  # the file, and its staging copy at init
+                n_frozen = layout.home_numel(unit.frozen.padded, w, place.params_sharded)
+                frozen_item = (place.frozen_dtype or unit.frozen.dtype).itemsize
+                need += n * (item + unit.trainable.dtype.itemsize)  # the file, and its staging copy at init
                 need += n_frozen * frozen_item
                 on_disk += [(n, n * item, unit.name), (n_frozen, n_frozen * frozen_item, unit.name)]
             need += n_grad * (4 if accumulates else item)  # accumulate sums in fp32
             if self.optimizer:
                 need += n_opt * per_elem
-            shard_start = r * layout.shard_numel(padded, w) if padded else 0
+            shard_start = layout.shard_start(r, layout.shard_numel(padded, w))
             sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
                           shard_start if n_grad != padded else 0))
         largest, _, name = max(on_disk, default=(0, 0, ""))
@@ -496,7 +496,7 @@ class _DiskHome:
     def keep(self, i: int, unit, place: Placement, leaf: torch.Tensor, frozen: bool) -> torch.Tensor:
         if place.param_home != NVME or not leaf.numel():
             return leaf
-        start = self.rank * leaf.numel() if place.params_sharded else 0
+        start = layout.shard_start(self.rank, leaf.numel()) if place.params_sharded else 0
         if not frozen:  # the optimizer's init reads these values back once
             return self.store.stage(i, unit.name, leaf, place.param_dtype or leaf.dtype, start)
         stored = leaf.to(place.frozen_dtype or leaf.dtype)  # frozen: written once, in their stored dtype
@@ -505,10 +505,6 @@ class _DiskHome:
     def finish(self) -> None:
         self.store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
         trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _optimizer_bytes_per_element(optimizer) -> int:

@@ -44,31 +44,34 @@ What a step knows, folded in. A training step calls ``update`` with keywords
 the true ones: loss-scale unscale, 1/micro-batches; ``sq_norm``: their squared
 global norm as handed over, already read to check for inf/NaN) and, under
 mixed precision, ``lowp_params`` (low-precision copies to write the updated
-parameters to). zfunc's optimizers and ``chain`` take them (``fusing``), so
+parameters to). zfunc's optimizers and ``chain`` take them (``fuses=True``), so
 unscale, the clip factor, the update and the cast are one kernel pass over
 the gradients; ``apply_update`` calls any other optimizer plainly, after
 scaling the gradients itself.
 
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
 of updates applied before the current one (0 for the first update), as
-``torch.optim.lr_scheduler.LambdaLR`` counts.
+``torch.optim.lr_scheduler.LambdaLR`` counts. The schedules live in
+:mod:`zfunc.lr_schedules` and are re-exported here (``zf.optim.linear_warmup``).
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
 
+from zfunc.lr_schedules import (  # noqa: F401  (the schedules are zf.optim's too)
+    ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup,
+    warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr,
+)
 from zfunc.ops import adam as fused_adam
 from zfunc.pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
 
 PyTree = Any
-Schedule = Callable[[int], float]
-ScalarOrSchedule = Union[float, Schedule]
 
 
 class GradientTransformation(NamedTuple):
@@ -76,6 +79,7 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[..., tuple[PyTree, PyTree]]
+    fuses: bool = False  # update takes ``info=`` (see the module docstring)
 
 
 class Optimizer(NamedTuple):
@@ -83,6 +87,7 @@ class Optimizer(NamedTuple):
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
+    fuses: bool = False  # update takes ``info=`` and ``lowp_params=`` (see the module docstring)
 
 
 @dataclass
@@ -102,12 +107,6 @@ class GradInfo:
         """The global norm of the true gradients (``updates`` times ``scale``)."""
         sq = self.sq_norm if self.sq_norm is not None else float(global_norm(updates)) ** 2
         return math.sqrt(sq) * self.scale
-
-
-def fusing(update: Callable) -> Callable:
-    """Mark ``update`` as taking ``info=`` and ``lowp_params=`` (see the module docstring)."""
-    update.fuses = True
-    return update
 
 
 def _scale_(tree, scale: float | torch.Tensor) -> None:
@@ -134,7 +133,7 @@ def apply_update(optimizer: "Optimizer", grads, opt_state, params, *, info: Grad
     """``optimizer.update``, with ``info`` and ``lowp_params`` folded in by the
     optimizer when it takes them, else done here: gradients scaled in place
     first, updated parameters cast into ``lowp_params`` after."""
-    if getattr(optimizer.update, "fuses", False):
+    if getattr(optimizer, "fuses", False):
         kw = {k: v for k, v in (("info", info), ("lowp_params", lowp_params)) if v is not None}
         return optimizer.update(grads, opt_state, params, **kw)
     _realize(grads, info)
@@ -197,7 +196,7 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
             )
         new_state = []
         for t, s in zip(grad_tx, state):
-            if info is not None and getattr(t.update, "fuses", False):
+            if info is not None and t.fuses:
                 updates, s = t.update(updates, s, params, info=info)
             else:
                 _realize(updates, info)  # a transformation that reads the true values
@@ -212,14 +211,14 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
                                         lowp_params=lowp_params)
             return params, (*new_state, last)
 
-        return Optimizer(init, fusing(update))
+        return Optimizer(init, update, fuses=True)
 
     def update(updates, state, params=None, *, info=None):
         updates, new_state = transform_grads(updates, state, params, info)
         _realize(updates, info)  # whoever reads these updates next expects true values
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, fusing(update))
+    return GradientTransformation(init, update, fuses=True)
 
 
 # ------------------------------------------------------------------------ clipping
@@ -247,7 +246,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         _scale_(updates, torch.clamp(max_norm / (global_norm(updates) + 1e-6), max=1.0))
         return updates, state
 
-    return GradientTransformation(init, fusing(update))
+    return GradientTransformation(init, update, fuses=True)
 
 
 # ---------------------------------------------------------------------- optimizers
@@ -274,7 +273,7 @@ def adam(
 
 
 def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
-    schedule = _as_schedule(name, lr)
+    schedule = as_schedule(name, lr)
     beta1, beta2 = betas
     for label, b in (("betas[0]", beta1), ("betas[1]", beta2)):
         if not 0.0 <= b < 1.0:
@@ -309,7 +308,7 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
             )
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 def sgd(
@@ -323,7 +322,7 @@ def sgd(
 
     The first update initialises each momentum buffer to the gradient, as torch does.
     """
-    schedule = _as_schedule("sgd", lr)
+    schedule = as_schedule("sgd", lr)
     if not momentum >= 0.0:
         raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
     if not weight_decay >= 0.0:
@@ -375,7 +374,7 @@ def sgd(
                 torch._foreach_copy_([lows[i] for i in idx], p)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 def _zero_count() -> torch.Tensor:
@@ -447,78 +446,3 @@ def _check_leaves(leaves, what, p_leaves, params, positions) -> None:
                 f"{format_path(accessors[i], root=what)} has shape {tuple(x.shape)} on {x.device} "
                 f"but the parameter has shape {tuple(p.shape)} on {p.device}; they must match."
             )
-
-
-# ----------------------------------------------------------------------- schedules
-
-
-def _as_schedule(name: str, lr: ScalarOrSchedule) -> Schedule:
-    if callable(lr):
-        return lr
-    if not isinstance(lr, (int, float)) or not lr >= 0.0:
-        raise ValueError(f"{name}: lr must be a float >= 0 or a schedule step -> float, got {lr!r}")
-    return constant(float(lr))
-
-
-def constant(value: float) -> Schedule:
-    """``step -> value``."""
-    value = float(value)
-    return lambda step: value
-
-
-def linear_schedule(
-    init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0
-) -> Schedule:
-    """Hold ``init_value`` until ``transition_begin``, move linearly to ``end_value``
-    over ``transition_steps`` steps, then hold ``end_value`` (``LinearLR``)."""
-    if transition_steps <= 0:
-        raise ValueError(f"linear_schedule: transition_steps must be > 0, got {transition_steps}")
-
-    def schedule(step):
-        frac = min(max(step - transition_begin, 0), transition_steps) / transition_steps
-        return init_value + (end_value - init_value) * frac
-
-    return schedule
-
-
-def linear_warmup(peak_value: float, warmup_steps: int, init_value: float = 0.0) -> Schedule:
-    """Linear from ``init_value`` at step 0 to ``peak_value`` at ``warmup_steps``, then flat."""
-    if warmup_steps <= 0:
-        return constant(peak_value)
-    return linear_schedule(init_value, peak_value, warmup_steps)
-
-
-def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Schedule:
-    """Half a cosine from ``init_value`` to ``alpha * init_value`` over ``decay_steps``,
-    then flat (``CosineAnnealingLR(T_max=decay_steps, eta_min=alpha * init_value)``)."""
-    return _cosine("cosine_decay", init_value, alpha * init_value, decay_steps)
-
-
-def warmup_cosine_decay(
-    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
-) -> Schedule:
-    """Linear warmup from ``init_value`` to ``peak_value`` over ``warmup_steps``, then
-    half a cosine down to ``end_value``; ``decay_steps`` counts the warmup too."""
-    if decay_steps <= warmup_steps:
-        raise ValueError(
-            f"warmup_cosine_decay: decay_steps ({decay_steps}) counts the warmup and "
-            f"must exceed warmup_steps ({warmup_steps})"
-        )
-    warmup = linear_warmup(peak_value, warmup_steps, init_value)
-    decay = _cosine("warmup_cosine_decay", peak_value, end_value, decay_steps - warmup_steps)
-
-    def schedule(step):
-        return warmup(step) if step < warmup_steps else decay(step - warmup_steps)
-
-    return schedule
-
-
-def _cosine(name: str, start: float, end: float, steps: int) -> Schedule:
-    if steps <= 0:
-        raise ValueError(f"{name}: decay_steps must be > 0, got {steps}")
-
-    def schedule(step):
-        t = min(max(step, 0), steps) / steps
-        return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-    return schedule

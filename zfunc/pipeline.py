@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from . import dist
+from .schedules import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,6 @@ class PipelineModule:
 
     def __init__(self, layers: list, num_stages: int, loss_fn: Callable, partition_method: str = "parameters",
                  schedule: str = "1f1b"):
-        from .schedules import SCHEDULES
-
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}: choose from {', '.join(SCHEDULES)}")
         self.schedule = schedule

@@ -80,10 +80,6 @@ class Placement:
     def opt_sharded(self) -> bool:
         return self.opt == SHARDED
 
-    def describe(self) -> str:
-        return (f"params {self.params} on {self.param_home}, grads {self.grads} to {self.grad_home}, "
-                f"optimizer state {self.opt} on {self.opt_home}")
-
 
 def gathers(place: Placement, group) -> bool:
     """Whether materializing all-gathers (a sharded leaf with W > 1)."""

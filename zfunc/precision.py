@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from .loss_scale import LossScaler, as_scaler
-from .optim import Optimizer, apply_update, fusing
+from .optim import Optimizer, apply_update
 from .placement import Placement
 from .pytree import tree_map
 from .step import Step, expect_step
@@ -110,7 +110,7 @@ def master_weights(optimizer) -> Optimizer:
         master, inner = apply_update(optimizer, grads, opt_state.inner, opt_state.master, lowp_params=params, **kw)
         return params, MixedPrecisionState(master, inner)
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 def _short(dtype: torch.dtype) -> str:

@@ -62,7 +62,7 @@ class GradSink(Sink):
         if acc is None:
             padded = self.spec.segment(unit.index).padded
             w = dist.world_size(unit.group)
-            n = layout.shard_numel(padded, w) if self.spec.sharded[unit.index] else padded
+            n = layout.home_numel(padded, w, self.spec.sharded[unit.index])
             acc = torch.zeros(n, dtype=torch.float32, device=unit.device)
             if unit.index in self.on_file:
                 self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -209,7 +209,7 @@ class Step:
         for t in reversed(self.transforms):
             buffers = {name: t.cast_buffer(name, b) for name, b in buffers.items()}
         if free_model:
-            lazy.swap_in(model, spec.canonical_name)
+            lazy.install_stand_ins(model, spec.canonical_name)
         scaler = self.loss_scaler
         return State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan(),
                      loss_scale=None if scaler is None else scaler.init())

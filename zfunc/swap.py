@@ -65,11 +65,7 @@ class SwapFile:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -172,7 +168,7 @@ class BufferPool:
         self.peak_in_use = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * _itemsize(dtype)
+        nbytes = numel * dtype.itemsize
         if nbytes <= self.nbytes and (self._free or self.made < self.count):
             if self._free:
                 raw = self._free.pop()
@@ -308,7 +304,7 @@ class SwapStore:
     def arm(self, phase: str, handle: aio.AsyncIO) -> None:
         err = self._faults.pop(phase, None)
         if err is not None:
-            handle._inject_error(err, 0)
+            handle.inject_error(err)
 
     UNCHANGED = ("; nothing this state keeps was changed: fix the cause (free the disk) and call the "
                  "step again with the same state")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import optree
 import torch

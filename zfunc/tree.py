@@ -15,7 +15,6 @@ or this rank's shard; the leaves are plain tensors, so optimizers just
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from . import buffers, dist, layout
+from .ops._names import nearest
 from .placement import Placement, optimizer_slices
 from .pytree import register_node
 
@@ -80,7 +80,6 @@ class ModelSpec:
     units: tuple[Unit, ...]
     owner: tuple[tuple[str, tuple[int, bool]], ...]  # name (aliases too) -> (unit, trainable)
     canonical: tuple[tuple[str, str], ...]  # alias -> first name
-    world: int
 
     def owner_of(self, name: str) -> tuple[int, bool]:
         return self._owner[name]
@@ -137,8 +136,8 @@ def _unit_modules(model: nn.Module, units) -> list[str]:
     wanted = list(units)
     for name in wanted:
         if name not in modules or name == "":
-            near = difflib.get_close_matches(name, [m for m in modules if m], n=1)
-            hint = f" Did you mean {near[0]!r}?" if near else ""
+            near = nearest(name, [m for m in modules if m])
+            hint = f" Did you mean {near!r}?" if near else ""
             raise ValueError(f"unit policy names module {name!r}, which the model does not have.{hint}")
     return [name for name in modules if name in set(wanted)]
 
@@ -202,7 +201,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
         (name, owner_of_first[canonical.get(name, name)])
         for name, _ in model.named_parameters(remove_duplicate=False)
     )
-    return ModelSpec(tuple(built), owner, tuple(canonical.items()), world)
+    return ModelSpec(tuple(built), owner, tuple(canonical.items()))
 
 
 def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:

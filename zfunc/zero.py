@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from . import dist
 from .coordinator import Prefetch, prefetch_settings
-from .optim import Optimizer, apply_update, fusing
+from .optim import Optimizer, apply_update
 from .placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
 from .step import Step, expect_step, set_units
 from .transform import Transform
@@ -78,7 +78,7 @@ def sharded_optimizer(optimizer) -> Optimizer:
         local, opt_state = apply_update(optimizer, grads.local(), opt_state, params.local(), **kw)
         return params.from_local(local), opt_state
 
-    return Optimizer(init, fusing(update))
+    return Optimizer(init, update, fuses=True)
 
 
 def _zero(step: Step, stage: int, group, **kw) -> Step:

@@ -31,7 +31,6 @@ block succeeded, and removed otherwise.
 from __future__ import annotations
 
 import ctypes
-import difflib
 import errno as _errno
 import math
 import os
@@ -43,6 +42,7 @@ from typing import Mapping, Sequence
 import torch
 
 from . import builder
+from ._names import unknown
 
 __all__ = [
     "ALIGNMENT", "BACKENDS", "AsyncIO", "aligned_empty", "available_backends",
@@ -121,8 +121,7 @@ def aligned_empty(shape: int | Sequence[int], dtype: torch.dtype = torch.uint8, 
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     huge = _huge_page_size() if not pin_memory else 0
     if huge_pages is None:
         huge_pages = bool(huge) and nbytes >= 4 * huge
@@ -471,10 +470,7 @@ class AsyncIO:
         args: dict[str, object] = {}
         for key, value in config.items():
             if key not in cls._CONFIG_KEYS:
-                near = difflib.get_close_matches(key, cls._CONFIG_KEYS, n=1)
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(f"unknown aio config key {key!r}{hint} "
-                                 f"(valid: {', '.join(cls._CONFIG_KEYS)})")
+                raise ValueError(unknown(f"aio config key {key!r}", key, cls._CONFIG_KEYS, sep="; "))
             if key == "use_gds":
                 if value:
                     raise ValueError("aio.use_gds: GPUDirect Storage is not supported; "
@@ -543,9 +539,10 @@ class AsyncIO:
         self._held.clear()
         self._growing = 0
 
-    def _inject_error(self, err: int, after_bytes: int = 0) -> None:
-        """Fault injection for tests: the next request fails with ``err`` for every
-        block that goes past its first ``after_bytes`` bytes."""
+    def inject_error(self, err: int, after_bytes: int = 0) -> None:
+        """The fault-injection entry point (tests, and ``zfunc.swap``'s fault switch):
+        the next request fails with ``err`` for every block that goes past its first
+        ``after_bytes`` bytes, in every back end."""
         self._impl._inject_error(err, after_bytes)
 
     def close(self) -> None:

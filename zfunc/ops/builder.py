@@ -298,8 +298,10 @@ def report() -> list[dict]:
         return [dict(r) for r in _results.values()]
 
 
-def _forget(name: str | None = None) -> None:
-    """Drop the per-process record (for tests): the next ``load`` tries again."""
+def forget(name: str | None = None) -> None:
+    """Drop this process's record of op ``name`` (of every op when None), so the next
+    ``load`` checks and builds again: after installing a compiler or headers, and in
+    tests that build an op under other settings."""
     with _lock:
         for d in (_results, _modules):
             if name is None:

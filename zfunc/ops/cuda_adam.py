@@ -6,9 +6,10 @@ the params written in the same pass. Built only where torch sees a GPU and
 nvcc exists; otherwise, and for tensors the kernel does not take, the update
 goes to torch's ``_fused_adam(w)_`` with the same math.
 
-``load_emulated()`` builds the same kernel source with the C++ compiler and
-runs its grid block by block, thread by thread, over CPU tensors: slow, but
-it lets machines without a GPU (CI) test the kernel itself.
+``emulated()`` is the testing entry point: the same kernel source built with
+the C++ compiler, its grid run block by block, thread by thread, over CPU
+tensors. Slow, and never used for training, but it is how machines without a
+GPU (CI among them) test the kernel itself: its only coverage there.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def load():
     return builder.load(NAME, SOURCES, cuda=True)
 
 
-def load_emulated():
-    """The kernel's source built for the CPU (``adam_update`` over CPU tensors), or None."""
+def emulated():
+    """For tests: the kernel's source built for the CPU (its ``adam_update`` takes CPU
+    tensors, same arguments as the CUDA op's), or None (``builder.report()`` says why)."""
     return builder.load(NAME + "_emulated", EMULATED_SOURCES)
 
 
