@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from zfunc.ops import aio  # noqa: E402
+from zfunc.ops import aio
 
 GB = 1e9
 

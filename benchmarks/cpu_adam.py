@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import zfunc.optim as zoptim  # noqa: E402
-from zfunc.ops import adam, builder, cpu_adam  # noqa: E402
+from zfunc.ops import adam, builder, cpu_adam
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
 LOSS_SCALE, MAX_NORM = 1024.0, 1.0

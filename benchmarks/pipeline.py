@@ -14,7 +14,7 @@ pipeline's span, from the first stage starting its instruction list to the last 
 finishing it; not the update after it). Two ideals: (p - 1) / (m + p - 1), which assumes
 equal stages and free transfers, and the ideal for the partition: the same schedule
 replayed with each stage's measured forward and backward times and free transfers
-(zfunc.schedules.ideal_bubble), which is what unequal stages cannot beat.
+(zfunc.pipeline.schedules.ideal_bubble), which is what unequal stages cannot beat.
 DeepSpeed's PipelineModule trains the same layers (its TiedLayerSpec, its own 1F1B
 TrainSchedule) with the same batches; step time is the median over the timed steps.
 """
@@ -37,7 +37,7 @@ from _launch import launch  # noqa: E402
 from gpt import Block, Embed, GPTConfig, lm_head  # noqa: E402
 
 import zfunc as zf  # noqa: E402
-from zfunc import schedules  # noqa: E402
+from zfunc.pipeline import schedules
 
 
 def parse_args():

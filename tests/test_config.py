@@ -1,4 +1,4 @@
-"""zfunc.config and zfunc.lr_schedules: DeepSpeed's JSON config and LR schedules.
+"""zfunc.engine.config and zfunc.optim.lr: DeepSpeed's JSON config and LR schedules.
 
 The written-out numbers here are DeepSpeed 0.19's; the tests at the end compare
 them with the ``deepspeed`` package itself (in the test extra, so CI runs them too).
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zfunc import config as zc
-from zfunc import lr_schedules as ls
+from zfunc.engine import config as zc
+from zfunc.optim import lr as ls
 
 TBS, MBS, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 

@@ -61,24 +61,12 @@ def test_equals_the_step_without_offload_under_mixed_precision_and_accumulation(
         assert b["memory"]["optimizer_bytes"] == a["memory"]["optimizer_bytes"]
 
 
-def run_copying_early(*args):
-    """run_composed with each unit's gradient handed to GradToHost as its backward finishes,
-    the path CUDA parameters take (on the CPU its copies are the tensors themselves)."""
-    import zfunc.offload
-
-    zfunc.offload.Offload.copy_early_on_host = True
-    try:
-        return run_composed(*args)
-    finally:
-        zfunc.offload.Offload.copy_early_on_host = False
-
-
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_gradients_copied_as_each_backward_finishes_equal_the_step_without_offload(world):
     for stage in (0, 1, 2, 3):
         args = ("gpt", {}, stage, 2, 4, 0, {"dtype": torch.bfloat16}, None, 0.5)
         plain = workers(world).run(run_composed, *args)
-        early = workers(world).run(run_copying_early, *args, False, None, False, None, CPU)
+        early = workers(world).run(run_composed, *args, False, None, False, None, {**CPU, "copy_grads_on_host": True})
         for a, b in zip(plain, early):
             _same(a, b)
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (zfunc.pipeline, zfunc.pipeline_engine) against the unpipelined model
+"""Pipeline parallelism (zfunc.pipeline.module, zfunc.pipeline.interpreter) against the unpipelined model
 on plain PyTorch: fp32 within 1e-5, for P = 2, 3 and P = 2 x DP = 2, 1F1B and GPipe."""
 import pytest
 import torch

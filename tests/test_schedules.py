@@ -1,7 +1,8 @@
-"""Pipeline schedules as data (zfunc.schedules): the lists themselves, checked without running a model."""
+"""Pipeline schedules as data (zfunc.pipeline.schedules): the lists themselves, checked without running a model."""
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from zfunc import schedules as S
+from zfunc.pipeline import schedules as S
 
 SIZES = dict(micro_batches=st.integers(1, 12), stages=st.integers(1, 6), name=st.sampled_from(["1f1b", "gpipe"]))
 
@@ -123,3 +124,13 @@ def test_the_timeline_of_unequal_stages_is_bounded_by_the_slowest_and_by_one_tri
     assert span >= max(micro_batches * (x + y) for x, y in costs) - 1e-9
     assert span >= sum(f) + sum(b) + 2 * (len(costs) - 1) * link - 1e-9
     assert span >= max(S.timeline(name, micro_batches, f, b)) - 1e-9
+
+
+def test_the_old_name_zf_schedules_warns_and_is_the_pipelines():
+    """``zf.schedules`` meant the pipeline's instruction lists beside the lr schedules; it is
+    ``zf.pipeline.schedules`` now and the old name still works, with a FutureWarning."""
+    import zfunc as zf
+
+    with pytest.warns(FutureWarning, match="zf.pipeline.schedules"):
+        old = zf.schedules
+    assert old is zf.pipeline.schedules

@@ -7,15 +7,7 @@ import pytest
 import torch
 
 from zfunc.pytree import register_node
-from zfunc.testing import (
-    assert_shape,
-    assert_tree_all_finite,
-    assert_tree_shape_prefix,
-    assert_trees_all_close,
-    assert_trees_all_equal,
-    assert_trees_all_equal_shapes,
-    assert_trees_all_equal_structs,
-)
+from zfunc.testing import assert_shape, assert_tree_all_finite, assert_tree_shape_prefix, assert_trees_all_close, assert_trees_all_equal, assert_trees_all_equal_shapes, assert_trees_all_equal_structs
 
 
 class Pair(NamedTuple):

@@ -6,26 +6,31 @@
 
 This file is the map of the library: everything public is imported here.
 """
-from . import checkpoint, dist, optim, schedules, swap, testing
-from .accumulate import accumulate
+import warnings as _warnings
+
+from . import checkpoint, dist, optim, pipeline, swap, testing
 from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDivergedError
 from .engine import Engine, RepeatingLoader
 from .initialize import initialize
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, grad, value_and_grad
-from .loss_scale import LossScaler
-from .offload import offload_cpu
-from .offload_nvme import offload_nvme
 from .placement import Placement
-from .precision import mixed_precision
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .step import set_units as units
+from .transforms import LossScaler, accumulate, mixed_precision, offload_cpu, offload_nvme, zero1, zero2, zero3
 from .tree import Params
-from .zero import zero1, zero2, zero3
 
 __all__ = [
     "Engine", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "dist", "eval_step",
-    "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "swap", "testing", "train_step", "units",
+    "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]
+
+
+def __getattr__(name: str):
+    if name == "schedules":  # the pipeline's instruction lists; "schedule" alone also means an lr schedule
+        _warnings.warn("zf.schedules is now zf.pipeline.schedules (zf.optim.lr holds the lr schedules); "
+                       "the old name will go", FutureWarning, stacklevel=2)
+        return pipeline.schedules
+    raise AttributeError(f"module 'zfunc' has no attribute {name!r}")

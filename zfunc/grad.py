@@ -298,7 +298,7 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
 
     def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None, scale=None, sink=None):
         """``scale`` multiplies the loss before backward (fp16 loss scaling);
-        ``sink`` (zfunc.sinks) takes each unit's gradient instead of autograd."""
+        ``sink`` (zfunc.transforms.sinks) takes each unit's gradient instead of autograd."""
         if not isinstance(params, Params):
             return GradOut(*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
         with materialized(params, frozen, buffers, differentiable=True) as (view, tracker, anchors):

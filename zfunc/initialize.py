@@ -5,17 +5,18 @@ from typing import Callable
 
 from torch import nn
 
-from . import config as configuration, dist
-from .engine import Engine
-from .pipeline import PipelineModule
-from .pipeline_engine import PipelineEngine
+from .engine import config as configuration
+from . import dist
+from .engine.engine import Engine
+from .pipeline.module import PipelineModule
+from .pipeline.interpreter import PipelineEngine
 
 
 def initialize(model: nn.Module, config, *, loss_fn: Callable | None = None, optimizer=None,
                lr_scheduler: Callable | None = None, model_parameters=None) -> Engine:
     """An ``Engine`` for ``model`` from a DeepSpeed-style ``config`` (a dict or a JSON path).
 
-    ``loss_fn(model, batch)``: see ``zfunc.engine.model_loss``. ``optimizer``: a zfunc optimizer
+    ``loss_fn(model, batch)``: see ``zfunc.engine.engine.model_loss``. ``optimizer``: a zfunc optimizer
     (``zf.optim.adamw(...)``) instead of the config's ``optimizer`` section;
     ``lr_scheduler``: a schedule ``step -> lr`` for the config's optimizer.
     ``model_parameters`` is accepted for DeepSpeed's signature and ignored (every

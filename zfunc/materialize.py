@@ -134,7 +134,7 @@ class Materialize(torch.autograd.Function):
     flat buffer (zeros where a parameter got none, and in the padding) that
     the reduction owns and reduces in place; autograd's own backward of
     ``split`` would give a buffer it might share, in the parameters' dtype.
-    A gradient accumulator that sums whole gradients (zfunc.accumulate) takes
+    A gradient accumulator that sums whole gradients (zfunc.transforms.accumulate) takes
     the views' gradients directly instead.
     """
 
@@ -193,7 +193,7 @@ class Tracker:
         self.by_name: dict[str, _Unit] = {}  # canonical parameter name -> its unit
         self.current = 0
         self.peak = 0
-        self.sink = None  # a grad sink (zfunc.sinks) while accumulating or offloading
+        self.sink = None  # a grad sink (zfunc.transforms.sinks) while accumulating or offloading
         self.run = None  # the coordinator's pass (zfunc.coordinator.Run), if prefetching
         self.prefetch: tuple = ()  # its metrics, once the pass completed
 

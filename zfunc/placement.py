@@ -14,7 +14,7 @@ A unit's life::
     full flat gradient (one buffer, made by Materialize's backward in the reduce dtype)
       -- send home: all-reduce or reduce-scatter (mean) in the reduce dtype -->
     gradient in the home representation (the param dtype; fp32 accumulators under
-    zfunc.accumulate)  -- the optimizer updates the home copy (or the fp32 master)
+    zfunc.transforms.accumulate)  -- the optimizer updates the home copy (or the fp32 master)
 
 | field | today's transforms |
 | --- | --- |

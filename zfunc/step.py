@@ -21,7 +21,7 @@ recorded outermost first. Its three parts:
 Under fp16 loss scaling (``mixed_precision(..., loss_scale=...)``) the loss is
 multiplied by the state's scale before backward; a step whose gradients
 overflow on any rank is skipped on every rank and lowers the scale
-(zfunc.loss_scale).
+(zfunc.transforms.loss_scale).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from . import coordinator as coordination, dist, layout, lazy
 from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
-from .optim import GradInfo, apply_update
+from .optim.optimizers import GradInfo, apply_update
 from .placement import Placement
 from .state import State
 from .transform import Transform, Units
@@ -252,7 +252,7 @@ class Step:
 
     def begin(self, state: State) -> "Started":
         """Start a step whose gradient part the caller runs (the engine's imperative forward and
-        backward, zfunc.engine; the pipeline's schedule): the coordinator's passes from here on
+        backward, zfunc.engine.engine; the pipeline's schedule): the coordinator's passes from here on
         are this step's. Returns the fresh buffers its forwards use and what the transforms
         noted at the start (``Started``); ``apply_gradients`` ends it."""
         self._check(state)

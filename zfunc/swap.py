@@ -14,7 +14,7 @@ it. ``locate`` maps a placeholder (or a view of one) to its file and offset.
 
 All I/O goes through ``zfunc.ops.aio``. Units read in for compute land in a
 fixed pool of ``buffer_count`` aligned buffers (``BufferPool``); the optimizer's
-streaming update has its own staging arenas (zfunc.offload_nvme), the last of
+streaming update has its own staging arenas (zfunc.transforms.offload_nvme), the last of
 which stays ``resident`` between steps: reads of its files are served from it.
 
 A failed write during an update leaves some units updated and others not: the
@@ -240,13 +240,13 @@ class SwapStore:
         self.staged: dict[int, tuple[str, torch.dtype]] = {}  # id(param placeholder) -> (file, dtype) of its init values
         self.bytes_read = 0
         self.bytes_written = 0
-        self.arenas: list[torch.Tensor] = []  # the update's staging buffers (zfunc.offload_nvme)
+        self.arenas: list[torch.Tensor] = []  # the update's staging buffers (zfunc.transforms.offload_nvme)
         self._mine: list[int] = []
         # set by offload_nvme: gradient placeholders by unit, whether the optimizer state goes to
         # disk, and each unit's element offset of this rank's part (for file names)
         self.grads: dict[int, torch.Tensor] = {}
         self._faults: dict[str, int] = {}
-        # the last update's final sub-group, kept in its staging set (zfunc.offload_nvme): reads of
+        # the last update's final sub-group, kept in its staging set (zfunc.transforms.offload_nvme): reads of
         # its files are served from RAM, gradients of its units written there, its writes in flight
         self.resident: Resident | None = None
         self.resident_grads: set[str] = set()

@@ -1,8 +1,8 @@
 """Grad sinks: where each unit's gradient goes the moment its backward is done.
 
 Autograd would leave a unit's gradient for ``torch.autograd.grad`` to return; a step that
-sums micro-batches (zfunc.accumulate, the engines) or sends gradients off the device
-(zfunc.offload, zfunc.offload_nvme) gives the step's ``Tracker`` a sink instead
+sums micro-batches (zfunc.transforms.accumulate, the engines) or sends gradients off the device
+(zfunc.transforms.offload_cpu, zfunc.transforms.offload_nvme) gives the step's ``Tracker`` a sink instead
 (``tracker.sink``, zfunc.materialize), which calls
 
 * ``takes_parts(unit)``: whether the sink takes the unit's per-parameter gradients
@@ -18,9 +18,9 @@ import abc
 
 import torch
 
-from . import buffers, dist, layout, swap
-from .ops import cpu_adam
-from .tree import Params
+from .. import buffers, dist, layout, swap
+from ..ops import cpu_adam
+from ..tree import Params
 
 
 class Sink(abc.ABC):

@@ -1,4 +1,4 @@
-"""What both engines share (zfunc.engine, zfunc.pipeline_engine): pulling a step's micro-batches,
+"""What both engines share (zfunc.engine.engine, zfunc.pipeline.interpreter): pulling a step's micro-batches,
 the step counters, the report every ``steps_per_print`` steps, and the counters a checkpoint
 keeps."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from . import dist
+from .. import dist
 from .compose import current_lr
-from .state import gather_params
+from ..state import gather_params
 
 
 def _rss_bytes() -> int:

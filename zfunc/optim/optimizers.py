@@ -52,7 +52,7 @@ scaling the gradients itself.
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
 of updates applied before the current one (0 for the first update), as
 ``torch.optim.lr_scheduler.LambdaLR`` counts. The schedules live in
-:mod:`zfunc.lr_schedules` and are re-exported here (``zf.optim.linear_warmup``).
+:mod:`zfunc.optim.lr` and are re-exported here (``zf.optim.linear_warmup``).
 """
 from __future__ import annotations
 
@@ -64,10 +64,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from zfunc.lr_schedules import (  # noqa: F401  (the schedules are zf.optim's too)
-    ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup,
-    warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr,
-)
+from zfunc.optim.lr import ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup, warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from zfunc.ops import adam as fused_adam
 from zfunc.pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
 

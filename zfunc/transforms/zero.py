@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from . import dist
-from .coordinator import Prefetch, prefetch_settings
-from .optim import Optimizer, apply_update
-from .placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
-from .step import Step, expect_step, set_units
-from .transform import Transform
+from .. import dist
+from ..coordinator import Prefetch, prefetch_settings
+from ..optim.optimizers import Optimizer, apply_update
+from ..placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
+from ..step import Step, expect_step, set_units
+from ..transform import Transform
 
 
 class Zero(Transform):

@@ -37,7 +37,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
 (or no stage at all): zero1/2 keep full parameters on every rank. Under
 ``accumulate`` the gradient files hold the fp32 sums between micro-batches
-(zfunc.sinks's ``GradSink``).
+(zfunc.transforms.sinks's ``GradSink``).
 """
 from __future__ import annotations
 
@@ -48,19 +48,19 @@ from typing import Any
 import optree
 import torch
 
-from . import dist, layout, swap
-from .buffers import trim as trim_heap
-from .coordinator import prefetch_settings
-from .grad import grad_spec
-from .ops import cpu_adam
-from .optim import GradInfo, Optimizer, apply_update
-from .placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
-from .pytree import NAMESPACE, register_node
+from .. import dist, layout, swap
+from ..buffers import trim as trim_heap
+from ..coordinator import prefetch_settings
+from ..grad import grad_spec
+from ..ops import cpu_adam
+from ..optim.optimizers import GradInfo, Optimizer, apply_update
+from ..placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
+from ..pytree import NAMESPACE, register_node
 from .sinks import GradOffHome, with_grad_sink
-from .state import master_weights
-from .step import Step, expect_step
-from .transform import Transform, check_inside_zero
-from .tree import Params
+from ..state import master_weights
+from ..step import Step, expect_step
+from ..transform import Transform, check_inside_zero
+from ..tree import Params
 
 
 class SwapState:

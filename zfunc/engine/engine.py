@@ -1,6 +1,6 @@
 """The engine: a DeepSpeed-style config composed into one zfunc step, and the loop around it.
 
-``zf.initialize(model, config)`` reads the config (zfunc.config), composes the
+``zf.initialize(model, config)`` reads the config (zfunc.engine.config), composes the
 transforms a user would write by hand::
 
     zeroN(offload_*(mixed_precision(accumulate(train_step(loss, chain(clip, optimizer)), gas))))
@@ -27,14 +27,14 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import torch
 from torch import nn
 
-from . import checkpoint, dist, lazy, swap
+from .. import checkpoint, dist, lazy, swap
 from .compose import build_optimizer, compose
-from .sinks import GradSink, Sink
-from .grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
+from ..transforms.sinks import GradSink, Sink
+from ..grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
 from .loop import Loop
-from .materialize import Materialize
-from .step import Step, eval_step, train_step
-from .tree import Params
+from ..materialize import Materialize
+from ..step import Step, eval_step, train_step
+from ..tree import Params
 
 
 class RepeatingLoader:
@@ -128,7 +128,7 @@ def _tokens(batch) -> int:
 
 
 class _StepSums(GradSink):
-    """The gradient sums of an imperative step (zfunc.sinks's ``GradSink``), noting which
+    """The gradient sums of an imperative step (zfunc.transforms.sinks's ``GradSink``), noting which
     passes each backward reached (the trackers of the units whose gradients it took)."""
 
     def __init__(self, spec):
@@ -460,7 +460,7 @@ class Engine(Loop):
 
 def _reduce_whole(grads: Params, group) -> None:
     """Average the gradients that go home whole (stage 0, zero1) over ``group``: the sums the
-    accumulator reduces in the boundary's backward (zfunc.accumulate), when none came."""
+    accumulator reduces in the boundary's backward (zfunc.transforms.accumulate), when none came."""
     for g, sharded in zip(grads.leaves, grads.spec.sharded):
         if g is None or sharded:
             continue

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import dist
+from .. import dist
 from .schedules import SCHEDULES
 
 

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: one list of instructions per stage, which a small
-interpreter (zfunc.pipeline) executes. A schedule can be printed, tested and swapped.
+interpreter (zfunc.pipeline.interpreter) executes. A schedule can be printed, tested and swapped.
 
 Micro-batch ``m`` enters stage 0, goes forward through stages ``0..P-1`` and comes
 back through ``P-1..0``. Per stage and micro-batch a forward is

@@ -3,21 +3,22 @@ transforms a user would write by hand, in the order zfunc's rules ask::
 
     zeroN(offload_*(mixed_precision(accumulate(train_step(loss, chain(clip, optimizer)), gas))))
 
-Both engines (zfunc.engine, zfunc.pipeline_engine) build their steps here.
+Both engines (zfunc.engine.engine, zfunc.pipeline.interpreter) build their steps here.
 """
 from __future__ import annotations
 
 import torch
 
-from . import lr_schedules, optim
-from .accumulate import accumulate
+from ..optim import lr as lr_schedules
+from .. import optim
+from ..transforms.accumulate import accumulate
 from .config import OffloadParamConfig
-from .loss_scale import LossScaler
-from .offload import offload_cpu
-from .offload_nvme import offload_nvme
-from .precision import mixed_precision
-from .step import EvalStep, Step
-from .zero import zero1, zero2, zero3
+from ..transforms.loss_scale import LossScaler
+from ..transforms.offload_cpu import offload_cpu
+from ..transforms.offload_nvme import offload_nvme
+from ..transforms.precision import mixed_precision
+from ..step import EvalStep, Step
+from ..transforms.zero import zero1, zero2, zero3
 
 
 def build_optimizer(cfg, optimizer, lr_scheduler):

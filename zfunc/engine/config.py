@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from zfunc import lr_schedules
+from zfunc.optim import lr as lr_schedules
 from zfunc.ops._names import nearest, unknown
 
 # ----------------------------------------------------------------------- the records

@@ -1,4 +1,4 @@
-"""The pipeline engine: each rank runs its stage's schedule (zfunc.schedules) on its own state.
+"""The pipeline engine: each rank runs its stage's schedule (zfunc.pipeline.schedules) on its own state.
 
 A stage is an ordinary zfunc state over its ``StageModule`` (each layer a unit), built
 by the step the config asks for, with the ZeRO stage inside the stage's
@@ -6,7 +6,7 @@ data-parallel group: ``zero1/zero2(mixed_precision(train_step(...)), group=data)
 The interpreter runs the stage's instruction list inside one ``materialized``
 set-up: a forward runs the stage on the received activations through the
 state's parameters; a backward gives autograd the received output gradient,
-and each unit's gradient goes to a ``GradSink`` (zfunc.sinks) that sums the
+and each unit's gradient goes to a ``GradSink`` (zfunc.transforms.sinks) that sums the
 micro-batches in fp32 and reduces over the data-parallel group in the last one.
 Then tied modules' gradients are summed over the stages that own them, one
 all-reduce over the world agrees on the loss, non-finite gradients and the
@@ -22,15 +22,16 @@ from typing import Iterator
 
 import torch
 
-from . import checkpoint, dist, lazy, schedules as S
-from .compose import build_optimizer, compose
-from .grad import GradOut, apply, grad_spec, materialized, scalar_loss
-from .loop import Loop
-from .sinks import GradSink
-from .ops import cpu_adam
-from .pipeline import PipelineModule, make_grid
-from .step import Agreement, train_step
-from .tree import Params
+from .. import checkpoint, dist, lazy
+from . import schedules as S
+from ..engine.compose import build_optimizer, compose
+from ..grad import GradOut, apply, grad_spec, materialized, scalar_loss
+from ..engine.loop import Loop
+from ..transforms.sinks import GradSink
+from ..ops import cpu_adam
+from .module import PipelineModule, make_grid
+from ..step import Agreement, train_step
+from ..tree import Params
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]

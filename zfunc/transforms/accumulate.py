@@ -2,7 +2,7 @@
 
 ``accumulate(step, n)`` makes the step take a sequence (or iterator) of ``n``
 micro-batches. Each micro-batch's backward hands every unit's gradient to a
-``GradSink`` (zfunc.sinks) instead of to autograd, which adds it into an fp32 accumulator
+``GradSink`` (zfunc.transforms.sinks) instead of to autograd, which adds it into an fp32 accumulator
 in the gradient's home form:
 
 * gradients that go home as shards (zero2, zero3) are reduce-scattered each
@@ -22,10 +22,10 @@ from itertools import islice
 
 import torch
 
-from .grad import GradOut, grad_spec
+from ..grad import GradOut, grad_spec
 from .sinks import GradSink
-from .step import Step, expect_step
-from .transform import Transform, check_inside_zero
+from ..step import Step, expect_step
+from ..transform import Transform, check_inside_zero
 
 
 class Accumulate(Transform):
@@ -70,7 +70,7 @@ class Accumulate(Transform):
                 prefetch += out.prefetch
             return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n, prefetch)
 
-        run.accumulates = True  # it hands every micro-batch its own sink (zfunc.offload_nvme looks)
+        run.accumulates = True  # it hands every micro-batch its own sink (zfunc.transforms.offload_nvme looks)
         return run
 
 

@@ -14,7 +14,7 @@
   part (``MixedPrecisionState``; with AdamW's moments K = 12 bytes per
   parameter). One fused pass unscales the gradients, applies the clip factor,
   updates the master and writes the ``dtype`` copy.
-* fp16: ``loss_scale="dynamic"`` (DeepSpeed's rules, zfunc.loss_scale) or a
+* fp16: ``loss_scale="dynamic"`` (DeepSpeed's rules, zfunc.transforms.loss_scale) or a
   fixed number; a step whose gradients overflow on any rank is skipped.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from .loss_scale import LossScaler, as_scaler
-from .optim import Optimizer, apply_update
-from .placement import Placement
-from .pytree import tree_map
-from .step import Step, expect_step
-from .transform import Transform, check_inside_zero
+from ..optim.optimizers import Optimizer, apply_update
+from ..placement import Placement
+from ..pytree import tree_map
+from ..step import Step, expect_step
+from ..transform import Transform, check_inside_zero
 
 _LOW = (torch.bfloat16, torch.float16)
 

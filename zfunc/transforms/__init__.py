@@ -1,0 +1,11 @@
+"""Step transforms: each takes a ``Step`` and returns one that places, shards, casts, offloads or
+accumulates differently (zfunc.transform says what a transform contributes). They stand on the
+core and know nothing of the engines."""
+from .accumulate import accumulate
+from .loss_scale import LossScaler
+from .offload_cpu import offload_cpu
+from .offload_nvme import offload_nvme
+from .precision import mixed_precision
+from .zero import zero1, zero2, zero3
+
+__all__ = ["LossScaler", "accumulate", "mixed_precision", "offload_cpu", "offload_nvme", "zero1", "zero2", "zero3"]
