@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline.py                # P = 2 and 3, m = 1..8 micro-batches
     python benchmarks/pipeline.py --small        # smoke test
+    python benchmarks/pipeline.py --plot out.png # also draw the bubble against m (matplotlib)
 
 Two GPTs as pipeline layers (embedding and LM head tied across the first and last
 stage), micro-batches of one sequence, gloo on CPU, one thread per stage:
@@ -34,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
 from _launch import launch  # noqa: E402
+from _plot import pyplot, save  # noqa: E402
 from gpt import Block, Embed, GPTConfig, lm_head  # noqa: E402
 
 import zfunc as zf  # noqa: E402
@@ -55,6 +57,8 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--plot", default=None, metavar="PATH", help="also draw the bubble against m, one panel per "
+                   "model and p, into this image (needs matplotlib: the benchmark extra)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="anchor", help=argparse.SUPPRESS)
     p.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
@@ -211,6 +215,32 @@ def model_args(args, model: str, p: int) -> dict:
     return {"layers": args.layers, "width": args.width, "vocab": args.vocab, "seq": args.seq}
 
 
+def plot(rows, path):
+    """The bubble against the number of micro-batches m, one panel per (model, p): the textbook
+    ideal (p-1)/(m+p-1), the ideal for zfunc's partition, and the bubble each tool measured."""
+    plt = pyplot()
+    panels = list(dict.fromkeys((r["model"], r["p"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, (model, p) in zip(axes[0], panels):
+        mine = [r for r in rows if (r["model"], r["p"]) == (model, p)]
+        ms = [r["m"] for r in mine]
+        ax.plot(ms, [(p - 1) / (m + p - 1) for m in ms], "k:", label="ideal (p-1)/(m+p-1)")
+        for key, style, label in (("partition_ideal", "k--", "ideal for zfunc's partition"),
+                                  ("bubble", "o-", "zfunc")):
+            pts = [(r["m"], r["zfunc"][key]) for r in mine if r.get("zfunc")]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        pts = [(r["m"], r["ds"]["bubble"]) for r in mine if r.get("ds")]
+        if pts:
+            ax.plot(*zip(*pts), "s-", color="tab:gray", label="DeepSpeed")
+        ax.set_title(f"{model}, p = {p}", fontsize=10)
+        ax.set_xlabel("micro-batches m")
+        ax.set_xticks(ms)
+    axes[0][0].set_ylabel("bubble (idle share of the span)")
+    axes[0][0].legend(fontsize=8)
+    save(fig, path)
+
+
 def main(args):
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,6 +286,8 @@ def main(args):
         print(f"| {r['model']} | {r['p']} | {r['m']} | {ideal:.3f} | {partition} | {bubble} | {ds_bubble} | "
               f"{'failed' if not z else format(z['step_s'], '.3f')} | {'failed' if not d else format(d['step_s'], '.3f')} "
               f"| {ratio} |")
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python benchmarks/zero_vs_fsdp.py --repeats 3      # modes interleaved 3 times, medians reported
     python benchmarks/zero_vs_fsdp.py --small          # smoke test, well under a minute
     python benchmarks/zero_vs_fsdp.py --precision bf16 # bf16 compute, fp32 master weights and gradient reduction
+    python benchmarks/zero_vs_fsdp.py --plot out.png   # also draw step time and peak RSS per mode (matplotlib)
 
 Every mode runs in its own fresh set of W processes, so peak RSS per rank
 (getrusage ru_maxrss) is that mode's alone. All modes train the same model from the
@@ -46,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
 from _launch import launch  # noqa: E402
+from _plot import pyplot, save  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -119,6 +121,8 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="tiny model and few steps, for smoke testing")
     p.add_argument("--json", default=None, help="also write all raw results here")
     p.add_argument("--from-json", default=None, help="print the table of an earlier --json run and exit")
+    p.add_argument("--plot", default=None, metavar="PATH", help="also draw step time and peak RSS per mode "
+                   "into this image (needs matplotlib: the benchmark extra)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one mode on this rank
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -433,6 +437,29 @@ def table(results, args):
     return "\n".join(lines), summary, mismatches
 
 
+def plot(summary, args, path):
+    """Two panels, one bar per mode: median step time (whiskers: the repeats' range) and peak
+    RSS per rank; zfunc's modes in one colour, the peers (DDP, FSDP2, DeepSpeed) in another."""
+    plt = pyplot()
+    modes = list(summary)
+    labels = [mode_label(m, args.precision) for m in modes]
+    colours = ["tab:blue" if m.startswith("zero") else "tab:gray" for m in modes]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.45 * len(modes) + 1.6), sharey=True)
+    y = range(len(modes))
+    step = [summary[m]["step_s"] for m in modes]
+    spread = [[s - min(summary[m]["all_step_s"]) for s, m in zip(step, modes)],
+              [max(summary[m]["all_step_s"]) - s for s, m in zip(step, modes)]]
+    left.barh(y, step, xerr=spread, color=colours, capsize=3)
+    left.set_xlabel("median step time, s (whiskers: range over repeats)")
+    right.barh(y, [summary[m]["rss"] / 1e9 for m in modes], color=colours)
+    right.set_xlabel("peak RSS per rank, GB")
+    left.set_yticks(list(y), labels)
+    left.invert_yaxis()
+    fig.suptitle(f"{args.precision}, W={args.world}, {args.layers} layers, d_model {args.width}, "
+                 f"median over {args.repeats} repeat(s); blue: zfunc, grey: peers", fontsize=10)
+    save(fig, path)
+
+
 def per_repeat_ratio(results, m, other):
     """Median over repeats of m's step time / other's in the same repeat (nan if none in
     common): the machine drifts between repeats more than modes differ within one."""
@@ -465,7 +492,7 @@ def main(args):
     if args.from_json:
         with open(args.from_json) as f:
             saved = json.load(f)
-        args = argparse.Namespace(**{"precision": "fp32", **saved["args"], "json": None})
+        args = argparse.Namespace(**{"precision": "fp32", **saved["args"], "json": None, "plot": args.plot})
         results = saved["results"]
     else:
         results = {m: [] for m in args.modes}
@@ -488,6 +515,8 @@ def main(args):
           f"W={args.world} gloo ranks x {args.threads} thread(s), batch {args.world} x {args.batch}; "
           f"{args.warmup} warm-up + {args.steps} timed steps; median over {args.repeats} repeat(s); torch {torch.__version__}\n")
     print(text, flush=True)
+    if args.plot:
+        plot(summary, args, args.plot)
     print(f"\nLoss check: relative tolerance {args.tolerance:g} "
           f"({'bf16 default' if args.tolerance == BF16_TOLERANCE and args.precision == 'bf16' else 'fp32 default' if args.tolerance == FP32_TOLERANCE and args.precision == 'fp32' else 'set by --tolerance'}). "
           "All-gather MB: output bytes of every all-gather on rank 0 in one step, counted by wrapping "

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error naming what is wrong (DESIGN.md §3)."""
+"""Bad input gets a clear error naming what is wrong (docs/architecture.md, composition rules)."""
 import pytest
 import torch
 import torch.nn.functional as F
