@@ -52,11 +52,11 @@ class PipelineEngine(Loop):
     def __init__(self, pipe: PipelineModule, cfg, *, optimizer=None, lr_scheduler=None):
         self._check_config(cfg)
         self.config, self.pipe = cfg, pipe
-        self.schedule_name = pipe.schedule
+        self.pipeline_schedule = pipe.schedule  # "1f1b" or "gpipe", see zfunc.pipeline.schedules
         self.grid = grid = make_grid(pipe)
         self.module = pipe.build(grid.stage)
         self._tie_initial_weights()
-        opt, self.schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
 
         def no_loss(params, batch):  # the interpreter drives forward and backward itself
             raise RuntimeError("a pipeline stage's step is driven by its schedule, not called")
@@ -240,7 +240,7 @@ class PipelineEngine(Loop):
         """One step over ``gradient_accumulation_steps`` micro-batches (pulled by the first and last
         stages); returns the mean loss on every rank."""
         micro = self._pull(data_iter)
-        program = S.schedule(self.schedule_name, len(micro), self.grid.stages, self.grid.stage)
+        program = S.schedule(self.pipeline_schedule, len(micro), self.grid.stages, self.grid.stage)
         start = time.perf_counter()
         step, state = self.step_fn, self.state
         started = step.begin(state)
