@@ -1,4 +1,4 @@
-"""Small models covering the edge cases of DESIGN.md §3, and batches for them."""
+"""Small models covering the edge cases of unit placement and sharding, and batches for them."""
 from __future__ import annotations
 
 import torch

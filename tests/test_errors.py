@@ -1,4 +1,4 @@
-"""Bad input gets a clear error naming what is wrong (DESIGN.md §3)."""
+"""Bad input gets a clear error naming what is wrong."""
 import pytest
 import torch
 import torch.nn.functional as F

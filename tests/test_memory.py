@@ -1,4 +1,4 @@
-"""Per-rank memory: model-state bytes follow the ZeRO formulas of DESIGN.md §3; a step's objects go when it returns."""
+"""Per-rank memory: model-state bytes follow the ZeRO paper's formulas; a step's objects go when it returns."""
 import os
 
 import pytest

@@ -1,4 +1,4 @@
-"""Models as users write them (DESIGN.md §2, §3): weights read outside their module's
+"""Models as users write them: weights read outside their module's
 forward, activation checkpointing, blocks skipped by control flow, meta-device init.
 Each equals plain PyTorch (torch.optim.AdamW with its defaults) on the global batch."""
 import pytest

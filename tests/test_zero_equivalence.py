@@ -1,11 +1,11 @@
-"""zero1/2/3 at W = 1, 2, 3 equal plain PyTorch on the global batch (DESIGN.md §3)."""
+"""zero1/2/3 at W = 1, 2, 3 equal plain PyTorch on the global batch."""
 import pytest
 
 from cases import gathers_in_flight, loss_with_uneven_batches, nonfinite_on_rank0, reference, run_ddp, run_zfunc
 from workers import workers
 from zfunc.testing import assert_trees_all_close
 
-RTOL = 1e-5  # fp32 equivalence, DESIGN.md §3
+RTOL = 1e-5  # fp32 equivalence
 
 MODELS = {
     "gpt": {},

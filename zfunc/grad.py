@@ -14,7 +14,7 @@ step's ``Tracker`` in backward.
 
 ``value_and_grad`` runs on ``torch.autograd.grad`` over the leaves rather than
 ``torch.func.grad``: the latter refuses saved-tensor hooks and in-place
-collectives in a custom backward (DESIGN.md §4).
+collectives in a custom backward.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The placement record: where one unit lives and how it moves (DESIGN.md §2).
+"""The placement record: where one unit lives and how it moves (docs/architecture.md has the table).
 
 Each transform contributes a pure function ``Placement -> Placement``; a step
 folds them in the order written (innermost first) into one record per unit.
