@@ -324,7 +324,8 @@ def test_buffer_smaller_than_a_unit_is_an_error(tmp_path):
 def test_io_error_before_the_update_leaves_the_state_usable(tmp_path, phase, err):
     """A failed parameter read or gradient write changes nothing the state keeps: the error says
     which file, and the same state steps on afterwards exactly as if nothing had happened."""
-    step, model = _step(tmp_path, Chain(), sub_group_size=1)
+    faults = zf.swap.Faults()
+    step, model = _step(tmp_path, Chain(), sub_group_size=1, faults=faults)
     xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     with step.init(copy.deepcopy(model)) as clean:
         for x in xs:
@@ -333,7 +334,7 @@ def test_io_error_before_the_update_leaves_the_state_usable(tmp_path, phase, err
     with step.init(copy.deepcopy(model)) as state:
         state, _ = step(state, xs[0])
         before = zf.gather_params(state)
-        state.opt_state.store.inject_error(phase, err)
+        faults.arm(phase, err)
         with pytest.raises(OSError, match=r"offload_nvme: (reading|writing).*\.swp.*step again with the same state") as e:
             step(state, xs[1])
         assert e.value.errno == err
@@ -344,9 +345,10 @@ def test_io_error_before_the_update_leaves_the_state_usable(tmp_path, phase, err
 
 
 def test_io_error_in_the_update_refuses_to_train_on(tmp_path):
-    step, model = _step(tmp_path, Chain(), sub_group_size=1)  # three sub-groups: the first is written
+    faults = zf.swap.Faults()
+    step, model = _step(tmp_path, Chain(), sub_group_size=1, faults=faults)  # three sub-groups: the first is written
     with step.init(model) as state:
-        state.opt_state.store.inject_error("update", errno.ENOSPC)
+        faults.arm("update", errno.ENOSPC)
         with pytest.raises(OSError, match="writing the optimizer state") as e:
             step(state, torch.randn(3, 6))
         assert e.value.errno == errno.ENOSPC
@@ -357,10 +359,11 @@ def test_io_error_in_the_update_refuses_to_train_on(tmp_path):
 def test_io_error_writing_the_resident_sub_group_surfaces_at_the_next_use(tmp_path):
     """The last sub-group's writes finish behind the step: their failure is raised by the next
     use of the state (a step, gather_params), which then refuses to go on."""
-    step, model = _step(tmp_path)  # one unit: one sub-group, resident
+    faults = zf.swap.Faults()
+    step, model = _step(tmp_path, faults=faults)  # one unit: one sub-group, resident
     for use in ("step", "gather"):
         with step.init(copy.deepcopy(model)) as state:
-            state.opt_state.store.inject_error("update", errno.EIO)
+            faults.arm("update", errno.EIO)
             state, _ = step(state, torch.randn(3, 6))
             with pytest.raises(OSError, match="writing the optimizer state") as e:
                 step(state, torch.randn(3, 6)) if use == "step" else zf.gather_params(state)

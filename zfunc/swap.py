@@ -217,10 +217,38 @@ class BufferPool:
         return self.count - len(self._ours)
 
 
+class Faults:
+    """Disk errors on demand, to test the error paths of an ``offload_nvme`` state:
+    ``faults = zf.swap.Faults()``, ``zf.offload_nvme(f, path, faults=faults)``, then
+    ``faults.arm("update", errno.ENOSPC)``. Every state that step inits shares it; an
+    armed fault fails the next request of its phase once (through ``zfunc.ops.aio``'s
+    ``AsyncIO.inject_error``, so the real error handling runs)."""
+
+    PHASES = ("read", "grad", "update")
+
+    def __init__(self):
+        self._armed: dict[str, int] = {}
+
+    def arm(self, phase: str, err: int) -> None:
+        """The next request of ``phase`` ("read": a unit's parameters; "grad": a gradient write;
+        "update": the update's writes) fails with errno ``err``."""
+        if phase not in self.PHASES:
+            raise ValueError(f"phase must be 'read', 'grad' or 'update', got {phase!r}")
+        self._armed[phase] = err
+
+    def fire(self, phase: str, handle: aio.AsyncIO) -> None:
+        """Hand ``handle`` the fault armed for ``phase``, if one is (then it is spent)."""
+        err = self._armed.pop(phase, None)
+        if err is not None:
+            handle.inject_error(err)
+
+
 class SwapStore:
     """One state's swap folder, its files, its I/O handles and its buffer pool."""
 
-    def __init__(self, root: str, *, aio_config: dict | None, buffer_count: int, buffer_bytes: int):
+    def __init__(self, root: str, *, aio_config: dict | None, buffer_count: int, buffer_bytes: int,
+                 faults: Faults | None = None):
+        self.faults = faults if faults is not None else Faults()
         self.aio_config = dict(aio_config or {})
         aio.AsyncIO.from_config(self.aio_config).close()  # bad keys fail here, before any file
         rank_dir = os.path.join(os.path.abspath(os.fspath(root)), f"rank{dist.rank()}")
@@ -245,7 +273,6 @@ class SwapStore:
         # set by offload_nvme: gradient placeholders by unit, whether the optimizer state goes to
         # disk, and each unit's element offset of this rank's part (for file names)
         self.grads: dict[int, torch.Tensor] = {}
-        self._faults: dict[str, int] = {}
         # the last update's final sub-group, kept in its staging set (zfunc.transforms.offload_nvme): reads of
         # its files are served from RAM, gradients of its units written there, its writes in flight
         self.resident: Resident | None = None
@@ -294,18 +321,6 @@ class SwapStore:
     def _handle(self) -> aio.AsyncIO:
         return self._idle.pop() if self._idle else aio.AsyncIO.from_config(self.aio_config, check_space=False)
 
-    def inject_error(self, phase: str, err: int) -> None:
-        """Fault switch for tests: the next request of ``phase`` ("read": a unit's parameters;
-        "grad": a gradient write; "update": the update's writes) fails with ``err``."""
-        if phase not in ("read", "grad", "update"):
-            raise ValueError(f"phase must be 'read', 'grad' or 'update', got {phase!r}")
-        self._faults[phase] = err
-
-    def arm(self, phase: str, handle: aio.AsyncIO) -> None:
-        err = self._faults.pop(phase, None)
-        if err is not None:
-            handle.inject_error(err)
-
     UNCHANGED = ("; nothing this state keeps was changed: fix the cause (free the disk) and call the "
                  "step again with the same state")
 
@@ -340,7 +355,7 @@ class SwapStore:
         if held is not None and offset == 0 and held.numel() == buf.numel():
             return dist.Pending(buf.copy_(held))  # the resident sub-group's values, already in RAM
         h = self._handle()
-        self.arm("read", h)
+        self.faults.fire("read", h)
         try:
             self._io(f"reading '{file.path}'", lambda: h.pread(buf, file.path, offset), self.UNCHANGED)
         except BaseException:
@@ -462,7 +477,7 @@ class SwapStore:
         stays bounded; ``stats`` (sum of squares, finite) are what the step's agreement reads."""
         self.grad_stats[id(placeholder)] = stats
         self.wait(self.writer, "writing gradients", self.UNCHANGED)
-        self.arm("grad", self.writer)
+        self.faults.fire("grad", self.writer)
         self.write(self.writer, data, placeholder, offset, self.UNCHANGED)
 
     # --------------------------------------------------------------- lifecycle

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import optree
 import torch
 
-from zfunc.pytree import NAMESPACE, format_path
+from .pytree import NAMESPACE, format_path
 
 __all__ = [
     "assert_shape",

@@ -26,8 +26,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from zfunc.optim import lr as lr_schedules
-from zfunc.ops._names import nearest, unknown
+from ..optim import lr as lr_schedules
+from ..ops._names import nearest, unknown
 
 # ----------------------------------------------------------------------- the records
 

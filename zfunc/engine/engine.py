@@ -262,7 +262,7 @@ class Engine(Loop):
         self.rank = dist.rank()
         self.state_dict_keys = list(model.state_dict().keys())
         loss = model_loss(model, loss_fn)
-        opt, self.schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
         self.step_fn = compose(cfg, train_step(loss, opt))
         self.eval_fn = compose(cfg, eval_step(loss))
         self._forward_fn = model_forward(model, loss_fn)

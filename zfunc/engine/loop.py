@@ -21,7 +21,7 @@ def _rss_bytes() -> int:
 
 
 class Loop:
-    """The loop around a composed step. A subclass sets ``config``, ``state`` and ``schedule``
+    """The loop around a composed step. A subclass sets ``config``, ``state`` and ``lr_schedule``
     (the lr schedule, or None) and calls ``_stepped`` after each update."""
 
     COUNTERS = ("global_steps", "global_samples")  # what a checkpoint's manifest keeps
@@ -64,7 +64,7 @@ class Loop:
         return gather_params(self.state)
 
     def get_lr(self) -> list[float]:
-        return current_lr(self.config, self.schedule, self.state)
+        return current_lr(self.config, self.lr_schedule, self.state)
 
     @property
     def loss_scale(self) -> float | None:

@@ -540,7 +540,7 @@ class AsyncIO:
         self._growing = 0
 
     def inject_error(self, err: int, after_bytes: int = 0) -> None:
-        """The fault-injection entry point (tests, and ``zfunc.swap``'s fault switch):
+        """The fault-injection entry point (tests, and ``zfunc.swap.Faults``):
         the next request fails with ``err`` for every block that goes past its first
         ``after_bytes`` bytes, in every back end."""
         self._impl._inject_error(err, after_bytes)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Union
 
-from zfunc.ops._names import unknown
+from ..ops._names import unknown
 
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]

@@ -64,9 +64,10 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from zfunc.optim.lr import ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup, warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr
-from zfunc.ops import adam as fused_adam
-from zfunc.pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
+from .lr import (ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup,
+                 warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr)
+from ..ops import adam as fused_adam
+from ..pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
 
 PyTree = Any
 

@@ -4,8 +4,9 @@ A stage is an ordinary zfunc state over its ``StageModule`` (each layer a unit),
 by the step the config asks for, with the ZeRO stage inside the stage's
 data-parallel group: ``zero1/zero2(mixed_precision(train_step(...)), group=data)``.
 The interpreter runs the stage's instruction list inside one ``materialized``
-set-up: a forward runs the stage on the received activations through the
-state's parameters; a backward gives autograd the received output gradient,
+set-up, sending and receiving through its ``Link``s (zfunc.pipeline.link): a
+forward runs the stage on the received activations through the state's
+parameters; a backward gives autograd the received output gradient,
 and each unit's gradient goes to a ``GradSink`` (zfunc.transforms.sinks) that sums the
 micro-batches in fp32 and reduces over the data-parallel group in the last one.
 Then tied modules' gradients are summed over the stages that own them, one
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from typing import Iterator
 
 import torch
@@ -29,74 +29,10 @@ from ..grad import GradOut, apply, grad_spec, materialized, scalar_loss
 from ..engine.loop import Loop
 from ..transforms.sinks import GradSink
 from ..ops import cpu_adam
+from .link import ACT, GRAD, Link
 from .module import PipelineModule, make_grid
 from ..step import Agreement, train_step
 from ..tree import Params
-
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
-           torch.uint8, torch.int8, torch.int16]
-ACT, GRAD = 0, 1  # tags: activations go forward, gradients come back
-
-
-class _Link:
-    """Point-to-point transfers with one peer in one direction; tensor shapes sent the first time
-    and cached (they are the same for every micro-batch), so later transfers carry data only.
-
-    Once the shapes are known, a receiving link posts its next receives ahead (``AHEAD``, within
-    the run's count, ``expect``): the data moves while this stage computes, instead of after it
-    asks, which would put a transfer on the critical path of every micro-batch."""
-
-    AHEAD = 2
-
-    def __init__(self, peer: int, tag: int):
-        self.peer, self.tag = peer, tag
-        self.meta: list[tuple[torch.dtype, tuple]] | None = None
-        self.pending: list = []  # sends in flight
-        self.posted: deque = deque()  # receives in flight, oldest first
-        self.left = 0  # receives of this run not posted yet
-
-    def send(self, tensors: tuple) -> None:
-        if self.meta is None:
-            self.meta = [(t.dtype, tuple(t.shape)) for t in tensors]
-            code = [len(tensors)]
-            for t in tensors:
-                code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-            code = torch.tensor(code, dtype=torch.int64)
-            self.pending.append(dist.send_start(torch.tensor([code.numel()], dtype=torch.int64), self.peer, self.tag))
-            self.pending.append(dist.send_start(code, self.peer, self.tag))
-        for t in tensors:
-            self.pending.append(dist.send_start(t.detach(), self.peer, self.tag))
-
-    def expect(self, receives: int) -> None:
-        """This run receives ``receives`` times on this link: post the first ones now."""
-        self.left = receives
-        self._post()
-
-    def _post(self) -> None:
-        while self.meta is not None and self.left > 0 and len(self.posted) < self.AHEAD:
-            self.posted.append([dist.recv_start(torch.empty(shape, dtype=dtype), self.peer, self.tag)
-                                for dtype, shape in self.meta])
-            self.left -= 1
-
-    def recv(self) -> tuple:
-        if self.meta is None:
-            n = dist.recv(torch.zeros(1, dtype=torch.int64), self.peer, self.tag)
-            code = dist.recv(torch.zeros(int(n), dtype=torch.int64), self.peer, self.tag).tolist()
-            meta, k = [], 1
-            for _ in range(code[0]):
-                dtype, ndim = _DTYPES[code[k]], code[k + 1]
-                meta.append((dtype, tuple(code[k + 2: k + 2 + ndim])))
-                k += 2 + ndim
-            self.meta = meta
-            self._post()  # what ``expect`` could not post before the shapes were known
-        out = tuple(p.wait() for p in self.posted.popleft())
-        self._post()
-        return out
-
-    def finish(self) -> None:
-        while self.pending:
-            self.pending.pop(0).wait()
-
 
 def _input_grads(xs) -> tuple:
     """What ``SendGrad`` sends: each floating input's gradient (zeros where it had none)."""
@@ -116,11 +52,11 @@ class PipelineEngine(Loop):
     def __init__(self, pipe: PipelineModule, cfg, *, optimizer=None, lr_scheduler=None):
         self._check_config(cfg)
         self.config, self.pipe = cfg, pipe
-        self.schedule_name = pipe.schedule
+        self.pipeline_schedule = pipe.schedule  # "1f1b" or "gpipe", see zfunc.pipeline.schedules
         self.grid = grid = make_grid(pipe)
         self.module = pipe.build(grid.stage)
         self._tie_initial_weights()
-        opt, self.schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
 
         def no_loss(params, batch):  # the interpreter drives forward and backward itself
             raise RuntimeError("a pipeline stage's step is driven by its schedule, not called")
@@ -132,10 +68,10 @@ class PipelineEngine(Loop):
         # tied units whose gradient norm another stage counts (the first that holds the key)
         self.counted_elsewhere = {u for key, u in self.tied_units.items() if owners[key][0] != grid.stage}
         self._start_counting()
-        self.fwd = _Link(grid.next, ACT) if grid.stage < grid.stages - 1 else None  # activations out
-        self.fwd_in = _Link(grid.prev, ACT) if grid.stage > 0 else None
-        self.bwd = _Link(grid.prev, GRAD) if grid.stage > 0 else None  # input gradients out
-        self.bwd_in = _Link(grid.next, GRAD) if grid.stage < grid.stages - 1 else None
+        self.fwd = Link(grid.next, ACT) if grid.stage < grid.stages - 1 else None  # activations out
+        self.fwd_in = Link(grid.prev, ACT) if grid.stage > 0 else None
+        self.bwd = Link(grid.prev, GRAD) if grid.stage > 0 else None  # input gradients out
+        self.bwd_in = Link(grid.next, GRAD) if grid.stage < grid.stages - 1 else None
 
     @staticmethod
     def _check_config(cfg) -> None:
@@ -304,7 +240,7 @@ class PipelineEngine(Loop):
         """One step over ``gradient_accumulation_steps`` micro-batches (pulled by the first and last
         stages); returns the mean loss on every rank."""
         micro = self._pull(data_iter)
-        program = S.schedule(self.schedule_name, len(micro), self.grid.stages, self.grid.stage)
+        program = S.schedule(self.pipeline_schedule, len(micro), self.grid.stages, self.grid.stage)
         start = time.perf_counter()
         step, state = self.step_fn, self.state
         started = step.begin(state)

@@ -23,7 +23,7 @@ from itertools import islice
 import torch
 
 from ..grad import GradOut, grad_spec
-from .sinks import GradSink
+from .sinks import AccumulatingGrad, GradSink
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
 
@@ -70,8 +70,7 @@ class Accumulate(Transform):
                 prefetch += out.prefetch
             return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n, prefetch)
 
-        run.accumulates = True  # it hands every micro-batch its own sink (zfunc.transforms.offload_nvme looks)
-        return run
+        return AccumulatingGrad(run)  # it hands every micro-batch its own sink
 
 
 def accumulate(step: Step, n: int) -> Step:

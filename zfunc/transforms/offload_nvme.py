@@ -307,7 +307,7 @@ class _Update:
                     store.wait(writer, "writing the optimizer state")
                     wrote = True
                     handle = store._handle() if last else writer
-                    store.arm("update", handle)
+                    store.faults.fire("update", handle)
                     self._write_back(group, bufs, new_p, new_nodes, handle)
                     if last:
                         store.keep_resident((first + n) % self.SLOTS, group, bufs, handle, self._files(group))
@@ -384,8 +384,9 @@ class OffloadNvme(Transform):
     family = "offload"
 
     def __init__(self, path, params: bool, optimizer: bool, buffer_count: int, buffer_size: int,
-                 sub_group_size: int, aio: dict | None, prefetch=None):
+                 sub_group_size: int, aio: dict | None, prefetch=None, faults: swap.Faults | None = None):
         self.prefetch = prefetch  # the coordinator's settings, if given here
+        self.faults = faults  # disk errors armed by a test (swap.Faults), or None
         self.path, self.params, self.optimizer = path, params, optimizer
         self.buffer_count, self.buffer_size, self.sub_group_size = buffer_count, buffer_size, sub_group_size
         self.aio = aio
@@ -476,7 +477,7 @@ class OffloadNvme(Transform):
             raise ValueError(f"offload_nvme: unit {name or '<root>'!r} holds {largest} elements on this rank, more "
                              f"than buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
-                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0))
+                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0), faults=self.faults)
         store.reserve(need)
         store.offsets = [s[3] for s in sizes]
         for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
@@ -519,7 +520,8 @@ def _optimizer_bytes_per_element(optimizer) -> int:
 def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = True, buffer_count: int = 5,
                  buffer_size: int = int(1e8), sub_group_size: int = int(1e9), aio: dict | None = None,
                  prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
-                 max_reuse_distance: int | None = None, collective_timeout: float | None = None) -> Step:
+                 max_reuse_distance: int | None = None, collective_timeout: float | None = None,
+                 faults: swap.Faults | None = None) -> Step:
     """Keep parameters, gradients and optimizer state in swap files under ``path`` (module docstring).
 
     ``params``: parameter shards on disk too (needs zero3, or no stage);
@@ -533,6 +535,7 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     ``collective_timeout``: the coordinator's settings, as for ``zero3``: units
     are read from disk (then gathered) ahead of use along the recorded order.
     Settings given to the outermost transform that has any win.
+    ``faults``: a ``zf.swap.Faults`` that tests arm to make a disk request fail.
     """
     expect_step(step, "offload_nvme")
     if path is None or not str(path):
@@ -544,4 +547,4 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     return step.then(OffloadNvme(path, bool(params), bool(optimizer), int(buffer_count), int(buffer_size),
                                  int(sub_group_size), aio, prefetch_settings(
         prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
-        max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout)))
+        max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout), faults))

@@ -179,11 +179,25 @@ class GradOffHome(Sink):
         """Take unit ``unit``'s reduced gradient ``g`` home."""
 
 
+class AccumulatingGrad:
+    """A grad function that hands every micro-batch its own ``GradSink`` (what ``accumulate``
+    wraps the gradient with), so an offload transform inside it must not give it another
+    one: ``with_grad_sink`` leaves it as it is. A type, so the protocol is stated, not an
+    attribute set on a closure."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, params, batch, **kw):
+        return self.fn(params, batch, **kw)
+
+
 def with_grad_sink(grad_fn, make_sink):
     """``grad_fn`` handing each unit's gradient to ``make_sink(params)`` (a ``GradOffHome``; None:
     autograd's own way), whose ``finish()`` gives the step its gradients. Under ``accumulate``
-    its own sink is used instead: inside, it hands one per micro-batch; outside, it passes one in."""
-    if getattr(grad_fn, "accumulates", False):
+    its own sink is used instead: inside, it hands one per micro-batch (an ``AccumulatingGrad``);
+    outside, it passes one in."""
+    if isinstance(grad_fn, AccumulatingGrad):
         return grad_fn
 
     def run(params, batch, *, sink=None, **kw):
