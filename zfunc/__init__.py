@@ -9,6 +9,7 @@ This file is the map of the library: everything public is imported here.
 import warnings as _warnings
 
 from . import checkpoint, dist, optim, pipeline, swap, testing
+from .compiled import CompileError, GraphBreakWarning
 from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDivergedError
 from .engine import Engine, RepeatingLoader
 from .initialize import initialize
@@ -19,10 +20,10 @@ from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .step import set_units as units
 from .transforms import LossScaler, accumulate, mixed_precision, offload_cpu, offload_nvme, zero1, zero2, zero3
-from .tree import Params
+from .tree import Params, compile_units
 
 __all__ = [
-    "Engine", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "dist", "eval_step",
+    "CompileError", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
     "gather_params", "grad", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

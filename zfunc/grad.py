@@ -29,7 +29,7 @@ import torch.distributed
 from torch import nn
 from torch.func import functional_call
 
-from . import dist, layout, lazy
+from . import compiled, dist, layout, lazy
 from . import coordinator as coordination
 from .materialize import Materializer, Tracker
 from .placement import grad_is_shard
@@ -100,12 +100,10 @@ class ParamView(Mapping):
             # a model that kept its parameters (init(free_model=False)) gets stand-ins
             # until the step is over, so every read of a weight sees the state's value
             self._own_params += lazy.install_stand_ins(model, self.spec.canonical_name)
-        handles = []
         root, sites = _sites(model, self.spec)
-        for module, slots in sites:
-            fill = _UnitSlots(self, slots)
-            handles.append(module.register_forward_pre_hook(fill.enter))
-            handles.append(module.register_forward_hook(fill.exit, always_call=True))
+        handles = [_UnitSlots(self, slots).install(module) for module, slots in sites]
+        if compiled.is_wrapped(model):
+            compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
         if self.input_dtype is not None:
             cast = lambda t: t.to(self.input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
             args, kwargs = tree_map(cast, (tuple(args), dict(kwargs)))
@@ -114,10 +112,16 @@ class ParamView(Mapping):
             tensors = {name: self[name] for name in (root.located if root else ())}
             tensors.update(self.buffers)
             return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
+        except torch._dynamo.exc.Unsupported as e:
+            raise compiled.CompileError(
+                f"torch.compile could not compile this model under zfunc: {str(e).splitlines()[0]}. zfunc "
+                "gathers each unit outside the compiled code, so a compiled model breaks its graph at every "
+                "unit (fullgraph=True cannot hold); compile the blocks instead: zf.compile_units(model, "
+                "fullgraph=True) before step.init") from e
         finally:
             self.close_scope()
             for h in handles:
-                h.remove()
+                h()
 
 
 _SITES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -137,19 +141,41 @@ def _sites(model: nn.Module, spec: ModelSpec):
             for name in unit.located:
                 owner, _, attr = name.rpartition(".")
                 slots.append((name, model.get_submodule(owner), attr))
-            sites.append((model.get_submodule(unit.name), tuple(slots)))
+            sites.append((compiled.modules_by_path(model)[unit.name], tuple(slots)))
         cached = _SITES[model] = (spec, root, tuple(sites))
     return cached[1], cached[2]
 
 
 class _UnitSlots:
-    """Forward hooks that put a unit's materialized tensors into its modules, then take them out."""
+    """Puts a unit's materialized tensors into its modules before the unit's module runs, and
+    takes them out after: forward hooks, or for a module compiled in place (``module.compile()``)
+    a call around its compiled code, so the gather stays outside the graph (zfunc.compiled)."""
 
     def __init__(self, view: ParamView, slots: tuple):
         self.view = view
         self.slots = slots
         self.saved: list[list] = []
 
+    def install(self, module: nn.Module) -> Callable[[], None]:
+        """Attach to ``module``; returns what detaches."""
+        inner = getattr(module, "_compiled_call_impl", None)
+        if inner is not None:
+            @compiled.eager
+            def around(*args, **kwargs):
+                self.enter(module, args)
+                try:
+                    output = inner(*args, **kwargs)
+                finally:
+                    self.exit(module, args, None)
+                return output
+
+            module._compiled_call_impl = around
+            return lambda: setattr(module, "_compiled_call_impl", inner)
+        pre = module.register_forward_pre_hook(self.enter)
+        post = module.register_forward_hook(self.exit, always_call=True)
+        return lambda: (pre.remove(), post.remove())
+
+    @compiled.eager
     def enter(self, module, args):
         self.view.open_scope()
         old = []
@@ -159,6 +185,7 @@ class _UnitSlots:
             old.append(mod._parameters[attr])
             mod._parameters[attr] = value
 
+    @compiled.eager
     def exit(self, module, args, output):
         for (_, mod, attr), prev in zip(self.slots, self.saved.pop()):
             mod._parameters[attr] = prev

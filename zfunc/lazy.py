@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from . import compiled
+
 _resolvers: list = []  # innermost last; each has ``resolve(name) -> Tensor``
 
 # Metadata a stand-in answers itself (the meta tensor has the right shape and dtype).
@@ -88,7 +90,7 @@ def is_lazy(p) -> bool:
 def stand_ins(model: nn.Module, canonical) -> dict[int, LazyParameter]:
     """One stand-in per distinct parameter of ``model`` (ties share one), by ``id`` of the parameter."""
     made: dict[int, LazyParameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in compiled.named_parameters(model, remove_duplicate=False):
         if id(p) not in made:
             made[id(p)] = LazyParameter(p, canonical(name), p.requires_grad)
     return made

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import coordinator as coordination, dist, layout, lazy
+from . import compiled, coordinator as coordination, dist, layout, lazy
 from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
@@ -196,7 +196,7 @@ class Step:
         swap_key = None if home is None else home.key
         params = Params(ParamsSpec(spec, places, sharded, False, key, swap_key), trainable)
         frozen_params = Params(ParamsSpec(spec, places, sharded, True, key, swap_key), frozen)
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        buffers = {name: b.detach().clone() for name, b in compiled.named_buffers(model)}
         for b in buffers.values():
             dist.broadcast(b, 0, group)
         # the optimizer (mixed precision: its fp32 master) starts from the model's own values,

@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import buffers, dist, layout
+from . import buffers, compiled, dist, layout
 from .ops._names import nearest
 from .placement import Placement, optimizer_slices
 from .pytree import register_node
@@ -97,7 +97,7 @@ class ModelSpec:
 
     def check_model(self, model: nn.Module) -> None:
         """Raise if ``model`` is not the model this spec was built from."""
-        names = tuple(n for n, _ in model.named_parameters(remove_duplicate=False))
+        names = tuple(n for n, _ in compiled.named_parameters(model, remove_duplicate=False))
         if names != self.parameter_names:
             ours, theirs = set(self.parameter_names), set(names)
             missing = sorted(ours - theirs)[:3]
@@ -108,7 +108,7 @@ class ModelSpec:
                 f"parameters the model has but the state lacks: {extra or 'none'}. "
                 "Pass the model the state was initialized from."
             )
-        for name, p in model.named_parameters():
+        for name, p in compiled.named_parameters(model):
             unit, trainable = self.owner_of(name)
             seg = self.units[unit].trainable if trainable else self.units[unit].frozen
             entry = next(e for e in seg.entries if e.name == name)
@@ -119,9 +119,9 @@ class ModelSpec:
                 )
 
 
-def _unit_modules(model: nn.Module, units) -> list[str]:
-    """Module paths that become units, in module order (the root is implicit)."""
-    modules = dict(model.named_modules())
+def unit_modules(model: nn.Module, units) -> list[str]:
+    """Module paths (plain: zfunc.compiled) that become units, in module order (the root is implicit)."""
+    modules = compiled.modules_by_path(model)
     if units is None:
         return [
             f"{name}.{child}" if name else child
@@ -168,18 +168,18 @@ def _segment(params: list[tuple[str, torch.Tensor]], world: int, unit_name: str)
 
 def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
     """Group ``model``'s parameters into units and lay each unit out flat."""
-    for name, p in model.named_parameters():
+    for name, p in compiled.named_parameters(model):
         if getattr(p, "_zfunc_name", None) is not None:
             raise ValueError(
                 f"parameter {name!r} is held by a zfunc State: this model's storage was already taken "
                 "by Step.init. Build a fresh model, or load weights with zf.gather_params."
             )
-    paths = _unit_modules(model, units)
+    paths = unit_modules(model, units)
     first_name: dict[int, str] = {}
     canonical: dict[str, str] = {}
     located: list[list[str]] = [[] for _ in range(len(paths) + 1)]
     members: list[list[tuple[str, torch.Tensor]]] = [[] for _ in range(len(paths) + 1)]
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in compiled.named_parameters(model, remove_duplicate=False):
         where = _location(name, paths)
         located[where].append(name)
         if id(p) in first_name:
@@ -199,9 +199,20 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
             )
     owner = tuple(
         (name, owner_of_first[canonical.get(name, name)])
-        for name, _ in model.named_parameters(remove_duplicate=False)
+        for name, _ in compiled.named_parameters(model, remove_duplicate=False)
     )
     return ModelSpec(tuple(built), owner, tuple(canonical.items()))
+
+
+def compile_units(model: nn.Module, units=None, **compile_kwargs) -> nn.Module:
+    """Compile each unit's module in place (``module.compile(**compile_kwargs)``), torchtitan's
+    recipe: by default every child of every ``nn.ModuleList``, else the modules of the unit
+    policy ``units`` (as zf.zero3's). Before or after ``step.init``; returns ``model``.
+    zfunc gathers a unit outside its compiled code, so each block is one graph."""
+    modules = compiled.modules_by_path(model)
+    for path in unit_modules(model, units):
+        modules[path].compile(**compile_kwargs)
+    return model
 
 
 def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from . import buffers
+from . import buffers, compiled
 from .tree import ModelSpec, flatten_segment
 
 
@@ -46,7 +46,7 @@ def _owning_modules(model: nn.Module, spec: ModelSpec) -> dict[int, list]:
     """unit -> [(module path, module, [slot names it initializes])]: the slots whose
     name is a parameter's first name (a tied alias is initialized by its first owner)."""
     out: dict[int, list] = {}
-    for path, module in model.named_modules():
+    for path, module in compiled.named_modules(model):
         slots: dict[int, list[str]] = {}
         for attr, p in module._parameters.items():
             name = f"{path}.{attr}" if path else attr
@@ -105,7 +105,7 @@ def _init_module(path: str, module: nn.Module, init_fn, attrs) -> None:
 def _init_buffers(model: nn.Module, device, init_fn) -> None:
     """Buffers still on the meta device (modules that own no parameters)."""
     with torch.no_grad():
-        for path, module in model.named_modules():
+        for path, module in compiled.named_modules(model):
             meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
             if meta:
                 _materialize_buffers(module, device)

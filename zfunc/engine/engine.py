@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 import torch
 from torch import nn
 
-from .. import checkpoint, dist, lazy, swap
+from .. import checkpoint, compiled, dist, lazy, swap
 from .compose import build_optimizer, compose
 from ..transforms.sinks import GradSink, Sink
 from ..grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
@@ -260,7 +260,7 @@ class Engine(Loop):
         self.group = None
         self.world = dist.world_size()
         self.rank = dist.rank()
-        self.state_dict_keys = list(model.state_dict().keys())
+        self.state_dict_keys = [compiled.plain_name(k) for k in model.state_dict()]  # without _orig_mod.
         loss = model_loss(model, loss_fn)
         opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
         self.step_fn = compose(cfg, train_step(loss, opt))
