@@ -34,7 +34,11 @@ class CompileError(RuntimeError):
     """A model or step zfunc cannot run compiled, with why and what to compile instead."""
 
 
-class GraphBreakWarning(UserWarning):
+class CompileWarning(UserWarning):
+    """How zfunc compiles what it was asked to (``torch.compile(step)`` runs ``zf.jit(step)``)."""
+
+
+class GraphBreakWarning(CompileWarning):
     """A compiled model whose graph zfunc breaks at unit boundaries (said once per model)."""
 
 

@@ -105,8 +105,7 @@ class ParamView(Mapping):
         if compiled.is_wrapped(model):
             compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
         if self.input_dtype is not None:
-            cast = lambda t: t.to(self.input_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map(cast, (tuple(args), dict(kwargs)))
+            args, kwargs = _cast_inputs(self.input_dtype, args, kwargs)
         self.open_scope()
         try:
             tensors = {name: self[name] for name in (root.located if root else ())}
@@ -201,7 +200,16 @@ def apply(model: nn.Module, params: Mapping[str, torch.Tensor], *args, **kwargs)
     """
     if isinstance(params, ParamView):
         return params.run(model, args, kwargs)
+    dtype = getattr(params, "input_dtype", None)  # zf.jit's views under mixed precision, as ParamView
+    if dtype is not None:
+        args, kwargs = _cast_inputs(dtype, args, kwargs)
     return functional_call(model, dict(params), args, kwargs, strict=False)
+
+
+def _cast_inputs(dtype: torch.dtype, args, kwargs):
+    """Floating-point inputs in the compute dtype (FSDP2's ``cast_forward_inputs``)."""
+    cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return tree_map(cast, (tuple(args), dict(kwargs)))
 
 
 def _split(out, has_aux: bool):

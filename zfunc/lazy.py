@@ -32,6 +32,9 @@ _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
     torch.Tensor.requires_grad.__get__, torch.Tensor.grad.__get__, torch.Tensor.layout.__get__,
     torch.Tensor.is_leaf.__get__, torch.Tensor.is_meta.__get__,
+    # what torch.compile asks of every tensor it sees
+    torch.Tensor._is_view, torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
+    torch.Tensor.untyped_storage, torch.Tensor.element_size, torch.Tensor.is_neg, torch.Tensor.is_conj,
 }
 
 
@@ -54,7 +57,7 @@ class LazyParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in _METADATA or _is_metadata_getter(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if not _resolvers:
@@ -67,6 +70,19 @@ class LazyParameter(nn.Parameter):
         resolver = _resolvers[-1]
         args, kwargs = tree_map_only(LazyParameter, lambda p: resolver.resolve(p._zfunc_name), (args, kwargs))
         return func(*args, **kwargs)
+
+
+# Attribute getters that give a value (a view of the weight), not metadata.
+_VALUE_GETTERS = {"T", "mT", "H", "mH", "real", "imag", "data"}
+
+
+def _is_metadata_getter(func) -> bool:
+    """An attribute read other than a view of the values (``is_nested``, ``device``, ...: what
+    torch.compile asks of every tensor it sees) answers from the meta tensor."""
+    if getattr(func, "__name__", None) != "__get__":
+        return False
+    owner = getattr(func, "__self__", None)
+    return getattr(owner, "__name__", None) not in _VALUE_GETTERS
 
 
 def _flat(args, kwargs):

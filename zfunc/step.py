@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -41,6 +42,7 @@ from .optim.optimizers import GradInfo, apply_update
 from .placement import Placement
 from .state import State
 from .transform import Transform, Units
+from .traced import Jit
 from .tree import Params, ParamsSpec, build_spec
 from .unit_init import unit_buffers
 
@@ -153,7 +155,8 @@ class Step:
         return opt
 
     def _grad_part(self):
-        fn = value_and_grad_with_stats(self.loss_fn, self.has_aux)
+        fn = next((f for t in self.transforms if (f := t.grad_part(self.loss_fn, self.has_aux)) is not None),
+                  None) or value_and_grad_with_stats(self.loss_fn, self.has_aux)
         for t in reversed(self.transforms):
             fn = t.wrap_grad(fn)
         return fn
@@ -240,6 +243,8 @@ class Step:
         return buffers
 
     def __call__(self, state: State, batch) -> tuple[State, dict]:
+        if torch.compiler.is_compiling():  # torch.compile(step): the step's own compiled form
+            return _run_jitted(self, state, batch)
         started = self.begin(state)
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
@@ -376,6 +381,21 @@ class Step:
         nonfinite = [f"unit {n!r}" for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
         return Agreement(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]),
                          True)
+
+
+@compiled.eager
+def _run_jitted(step: Step, state: State, batch):
+    """What ``torch.compile(step)(state, batch)`` runs: dynamo cannot trace a step (its gathers, its
+    coordinator and its update are Python around the model), so it runs the step whose forward and
+    backward are one compiled program, ``zf.jit(step)`` (torch.compile's defaults; pass options to
+    ``zf.jit``). Said once per step."""
+    jitted = step.__dict__.get("_jitted")
+    if jitted is None:
+        warnings.warn("torch.compile(step) runs zf.jit(step): the step's forward and backward compiled as one "
+                      "program with torch.compile's defaults; write zf.jit(step, backend=..., mode=...) to choose",
+                      compiled.CompileWarning, stacklevel=3)
+        jitted = step.__dict__["_jitted"] = step.then(Jit({}))
+    return jitted(state, batch)
 
 
 class Started(NamedTuple):

@@ -103,6 +103,11 @@ class Transform:
         (offload_nvme: a gradient on disk, measured as it was written); None: read ``g``."""
         return None
 
+    def grad_part(self, loss_fn, has_aux: bool):
+        """A gradient part that replaces the eager one (``(params, batch, **kw) -> GradOut``, as
+        zfunc.grad's ``value_and_grad_with_stats``; zf.jit's traced program), or None (the default)."""
+        return None
+
     def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
         """A unit's stored leaf moved to home ``to`` (``placement.DEVICE``, ``CPU`` or ``NVME``;
         ``device``: the accelerator for ``DEVICE``), for a transform that keeps leaves off the

@@ -120,6 +120,15 @@ class GradSink(Sink):
         buffers.give(grad_full)
         self._reduce_if_last(unit, acc)
 
+    def take_home(self, index: int, grad: torch.Tensor) -> None:
+        """Add unit ``index``'s gradient, already in its home form (zf.jit's program reduced it),
+        into its accumulator."""
+        acc = self.acc.get(index)
+        if acc is None:
+            self.acc[index] = grad.float() if grad.dtype != torch.float32 else grad.clone()
+        else:
+            acc.add_(grad)
+
     def _settled(self, unit) -> None:
         """A unit used twice in the last micro-batch: its first reduction is over before more is added."""
         pending = self.reducing.pop(unit.index, None)

@@ -1,0 +1,173 @@
+"""The compiled step's gradient part (``zf.jit``, JAX's ``jit``): forward and backward traced as one program.
+
+``zf.jit(step, **compile_kwargs)`` replaces the step's gradient part (zfunc.grad: units
+gathered in forward hooks, a Python coordinator issuing the collectives) with one function
+of the stored leaves that ``torch.compile`` traces whole, collectives included:
+
+* each unit's all-gather is a functional collective (``torch.distributed._functional_collectives``)
+  in the program, and its backward, the reduce-scatter or all-reduce (mean over ranks, in the
+  placement's reduce dtype) that takes the gradient home, is in the traced backward:
+  AOTAutograd traces forward and backward jointly and splits them (SimpleFSDP's design);
+* the compiler sees every collective and every op, so it may reorder and fuse across units;
+* what stays outside is what a program of tensors cannot express: the agreement all-reduce
+  (non-finite, norm, which units ran), the loss scale's bookkeeping and the update, as the
+  step has them.
+
+What the program gives up against the eager step: it keeps each gathered unit from its
+gather to its backward (no release and re-gather; the compiler frees what it can), there is
+no coordinator (no prefetch metrics, no divergence report: every rank must trace the same
+program), and a unit whose gradient is not connected to the loss on a rank gets zeros.
+Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
+host copies) are not tensors of a program: such a step raises ``CompileError``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Callable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from . import compiled, dist, layout
+from .grad import GradOut, _split, grad_spec
+from .placement import gathers, grad_is_shard
+from .transform import Transform
+from .tree import Params
+
+
+class _Unit(torch.autograd.Function):
+    """A unit's stored leaf to its full flat buffer; backward takes the full gradient home."""
+
+    @staticmethod
+    def forward(anchor, leaf, gather: bool, scatter: bool, reduce_dtype, group: str, w: int):
+        return funcol.all_gather_tensor(leaf, 0, group) if gather else leaf.view_as(leaf)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        anchor, _, _, ctx.scatter, ctx.reduce_dtype, ctx.group, ctx.w = inputs
+        ctx.home_dtype = anchor.dtype
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.w > 1:
+            g = g.to(ctx.reduce_dtype)
+            g = (funcol.reduce_scatter_tensor(g, "sum", 0, ctx.group) if ctx.scatter
+                 else funcol.all_reduce(g, "sum", ctx.group)) / ctx.w
+        return g.to(ctx.home_dtype), None, None, None, None, None, None
+
+
+class Views(Mapping):
+    """``name -> Tensor`` for ``loss_fn`` inside the program: every unit's views (aliases of tied
+    weights too) and the buffers; ``zf.apply`` casts floating inputs to ``input_dtype``."""
+
+    def __init__(self, spec, tensors: dict, input_dtype):
+        self.spec = spec
+        self.tensors = tensors
+        self.input_dtype = input_dtype
+
+    def __getitem__(self, name):
+        return self.tensors[self.spec.canonical_name(name)]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+
+class Program:
+    """The traced forward of one state layout; its backward is the compiled joint graph's."""
+
+    def __init__(self, loss_fn: Callable, has_aux: bool, params: Params, frozen: Params | None, kwargs: dict):
+        self.loss_fn, self.has_aux = loss_fn, has_aux
+        spec = params.spec
+        group = spec.process_group
+        self.w = dist.world_size(group)
+        # functional collectives name their group; W = 1 issues none
+        self.group = (group or torch.distributed.group.WORLD).group_name if self.w > 1 else ""
+
+        self.units = [(gathers(p, group), grad_is_shard(p, s), p.reduce_dtype, spec.segment(i))
+                      for i, (p, s) in enumerate(zip(spec.placements, spec.sharded))]
+        self.frozen = None if frozen is None else [
+            (gathers(p, group), frozen.spec.segment(i)) for i, p in enumerate(frozen.spec.placements)]
+        self.model = spec.model
+        self.input_dtype = next((p.param_dtype for p in spec.placements if p.param_dtype), None)
+        self.compiled = torch.compile(self.forward, **kwargs)
+
+    def forward(self, anchors, leaves, frozen, buffers, batch):
+        tensors = {}
+        for (gather, scatter, reduce_dtype, segment), anchor, leaf in zip(self.units, anchors, leaves):
+            if segment.entries:
+                full = _Unit.apply(anchor, leaf, gather, scatter, reduce_dtype or leaf.dtype, self.group, self.w)
+                tensors.update(segment.unflatten(full))
+        for (gather, segment), leaf in zip(self.frozen or (), frozen):
+            if segment.entries:
+                tensors.update(segment.unflatten(funcol.all_gather_tensor(leaf, 0, self.group) if gather else leaf))
+        tensors.update(buffers)
+        return _split(self.loss_fn(Views(self.model, tensors, self.input_dtype), batch), self.has_aux)
+
+
+class Jit(Transform):
+    """Marks a step whose gradient part is one compiled program (``compile_kwargs``: torch.compile's)."""
+
+    family = "jit"
+    shapes_state = False
+
+    def __init__(self, compile_kwargs: dict):
+        self.compile_kwargs = compile_kwargs
+        self.programs: dict = {}  # the state layout's spec -> its Program
+
+    def describe(self, inner: str) -> str:
+        return f"jit({inner})"
+
+    def check(self, inner) -> None:
+        Transform.check(self, inner)
+
+    def grad_part(self, loss_fn: Callable, has_aux: bool):
+        """The gradient part as ``zfunc.grad.value_and_grad_with_stats`` gives it, traced."""
+
+        def run(params, batch, *, frozen=None, buffers=None, scale=None, sink=None):
+            if params.spec.swap is not None or (sink is not None and not hasattr(sink, "take_home")):
+                raise compiled.CompileError(
+                    "zf.jit cannot trace this step: its parameters or gradients leave RAM as it runs (swap "
+                    "files, host copies), which are no tensors of a program. Compile the blocks instead "
+                    "(zf.compile_units(model) before step.init) and leave the step eager")
+            key = (params.spec, None if frozen is None else frozen.spec)
+            program = self.programs.get(key)
+            if program is None:
+                program = self.programs[key] = Program(loss_fn, has_aux, params, frozen, self.compile_kwargs)
+            anchors = _anchors(params)
+            leaves = params.leaves
+            frozen_leaves = [] if frozen is None else list(frozen.leaves)
+            loss, aux = program.compiled(anchors, list(leaves), frozen_leaves, dict(buffers or {}), batch)
+            grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
+            home = Params(grad_spec(params.spec), grads)
+            peak = sum(_full_bytes(t, g, params.spec.process_group) for t, g in zip(leaves, program.units))
+            if sink is not None:  # accumulate: this micro-batch's home gradients into its sums
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        sink.take_home(i, g)
+            return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale)
+
+        return run
+
+
+def _anchors(params: Params) -> list[torch.Tensor]:
+    """What autograd differentiates per unit: the leaf, or for a full leaf whose gradient goes
+    home as a shard (zero2), a shard-shaped stand-in (a gradient has its input's shape)."""
+    spec = params.spec
+    w = dist.world_size(spec.process_group)
+    out = []
+    for leaf, place, sharded in zip(params.leaves, spec.placements, spec.sharded):
+        if grad_is_shard(place, sharded) and not sharded and w > 1:
+            anchor = torch.empty_strided((layout.shard_numel(leaf.numel(), w),), (0,), dtype=leaf.dtype,
+                                         device=leaf.device)
+        else:
+            anchor = leaf.detach()
+        out.append(anchor.requires_grad_())
+    return out
+
+
+def _full_bytes(leaf: torch.Tensor, unit, group) -> int:
+    gather = unit[0]
+    return leaf.numel() * leaf.element_size() * (dist.world_size(group) if gather else 1)
