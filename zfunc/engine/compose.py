@@ -1,13 +1,19 @@
 """A DeepSpeed-style config as zfunc objects: the optimizer with its schedule, and the step
 transforms a user would write by hand, in the order zfunc's rules ask::
 
-    zeroN(offload_*(mixed_precision(accumulate(train_step(loss, chain(clip, optimizer)), gas))))
+    jit(zeroN(offload_*(mixed_precision(accumulate(train_step(loss, chain(clip, optimizer)), gas)))))
 
-Both engines (zfunc.engine.engine, zfunc.pipeline.interpreter) build their steps here.
+(``jit`` only under ``compile.deepcompile``), and the compiled blocks of ``compile.enabled``
+and ``engine.compile``. Both engines (zfunc.engine.engine, zfunc.pipeline.interpreter) build
+their steps here.
 """
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import torch
+from torch import nn
 
 from ..optim import lr as lr_schedules
 from .. import optim
@@ -18,7 +24,11 @@ from ..transforms.offload_cpu import offload_cpu
 from ..transforms.offload_nvme import offload_nvme
 from ..transforms.precision import mixed_precision
 from ..step import EvalStep, Step
+from ..transforms.jit import jit
 from ..transforms.zero import zero1, zero2, zero3
+from ..ops._names import unknown
+from ..tree import compile_units, unit_modules
+from . import config as configuration
 
 
 def build_optimizer(cfg, optimizer, lr_scheduler):
@@ -60,12 +70,20 @@ def current_lr(cfg, schedule, state) -> list[float]:
     return [float(schedule(int(state.count)))]
 
 
-def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> Step:
+def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
+            jit_kwargs: dict | None = None) -> Step:
     """``base`` wrapped as the config says, in the order zfunc's rules ask (README, docs/architecture.md).
 
     ``group``: the ZeRO stage's process group (a pipeline stage's data-parallel group);
     ``accumulate_micro``: wrap in ``accumulate`` (not for a pipeline stage, whose schedule
-    takes the micro-batches one by one)."""
+    takes the micro-batches one by one). Under ``compile.deepcompile`` a training step is
+    wrapped in ``zf.jit`` last, given ``jit_kwargs`` (``torch.compile``'s arguments; default:
+    the section's ``backend`` and ``kwargs``)."""
+    c = cfg.compile
+    if c is not None and c.on and not accumulate_micro:
+        key = "compile.deepcompile" if c.deepcompile else "compile.enabled"
+        raise ValueError(f"{key!r} = true with a PipelineModule: compiling a pipeline's stages is not supported "
+                         "yet (compile the layers yourself: layer.compile() for each, before zf.initialize)")
     step = base
     if cfg.gradient_accumulation_steps > 1 and accumulate_micro and not isinstance(base, EvalStep):
         step = accumulate(step, cfg.gradient_accumulation_steps)
@@ -84,6 +102,10 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> St
     param_dev = z.offload_param.device if z.offload_param is not None else "none"
     opt_dev = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
     if param_dev == "nvme" or opt_dev == "nvme":
+        if c is not None and c.deepcompile and not isinstance(base, EvalStep):
+            raise ValueError("'compile.deepcompile' = true with offload to nvme is not supported yet: swap files are no "
+                             "tensors of one compiled program (zf.jit); compile the blocks instead ('compile': "
+                             "{'enabled': true}, or engine.compile())")
         if param_dev == "nvme" and opt_dev not in ("nvme", "none"):
             raise ValueError(f"zero_optimization.offload_param.device 'nvme' with offload_optimizer.device "
                              f"{opt_dev!r} is not supported yet: offload both to nvme, or only the optimizer")
@@ -108,4 +130,65 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True) -> St
         step = zero3(step, group=group, persistence_threshold=z.stage3_param_persistence_threshold, **coordinator)
     elif group is not None:
         step = zero1(step, group=group)  # a pipeline stage's replicas still average their gradients there
+    if c is not None and c.deepcompile and not isinstance(base, EvalStep):
+        if jit_kwargs is None:
+            jit_kwargs = {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")}
+        step = jit(step, **jit_kwargs)
     return step
+
+
+# ------------------------------------------------------------------------ compiling
+
+
+def resolve_backend(backend, where: str = "backend"):
+    """A ``torch.compile`` backend as DeepSpeed takes one: a callable, a name dynamo knows
+    (``"inductor"``, ``"aot_eager"``, ...), or the dotted path of a callable to import
+    (``"my_pkg.my_backend"``). Raises ValueError naming ``where``."""
+    if callable(backend):
+        return backend
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"{where} must name a torch.compile backend or be a callable, got {backend!r}")
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend in known:
+        return backend
+    if "." in backend:
+        module, _, attr = backend.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{where} {backend!r}: cannot import it ({e})") from None
+        if not callable(fn):
+            raise ValueError(f"{where} {backend!r} is not callable")
+        return fn
+    raise ValueError(unknown(f"{where} {backend!r}", backend, sorted(known), label="torch.compile's backends",
+                             cutoff=0.5) + "; or the dotted path of a backend function")
+
+
+def compile_arguments(compile_kwargs: dict | None, backend, where: str = "compile_kwargs") -> dict:
+    """``torch.compile``'s keyword arguments: ``compile_kwargs`` (checked against its signature)
+    with ``backend`` (resolved). A ``backend`` inside ``compile_kwargs`` is overridden, with a
+    warning, as DeepSpeed's ``engine.compile`` does."""
+    kw = dict(compile_kwargs or {})
+    if "backend" in kw:
+        warnings.warn(f"the 'backend' in {where} is overridden by the backend argument ({backend!r}), as in "
+                      "DeepSpeed: pass backend=... instead", UserWarning, stacklevel=3)
+        del kw["backend"]
+    valid = configuration.compile_kwarg_names()
+    for key in kw:
+        if key not in valid:
+            raise ValueError(unknown(f"{where} key {key!r}", key, valid, label="torch.compile's"))
+    return {**kw, "backend": resolve_backend(backend, "backend")}
+
+
+def compile_blocks(model: nn.Module, kwargs: dict) -> list[str]:
+    """Compile ``model``'s blocks in place with ``torch.compile``'s ``kwargs``: each unit of
+    the engine's unit policy (``zf.compile_units``), or the whole model, in place, when it
+    is one unit (no ``nn.ModuleList``). Returns the compiled modules' paths ("" for the root)."""
+    paths = unit_modules(model, None)
+    if paths:
+        compile_units(model, **kwargs)
+        return paths
+    model.compile(**kwargs)
+    return [""]

@@ -23,7 +23,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..optim import lr as lr_schedules
@@ -126,6 +126,26 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True)
+class CompileConfig:
+    """The ``compile`` section. ``deepcompile`` is DeepSpeed 0.19's key: the whole step
+    compiled as one program (``zf.jit``). ``enabled``, ``backend`` and ``kwargs`` are the
+    keys of DeepSpeed's first ``compile`` section (2024; later releases moved them to
+    ``engine.compile(backend, compile_kwargs)`` and reject them): ``enabled`` compiles the
+    model's blocks at initialize (``zf.compile_units``) with ``torch.compile``'s ``backend``
+    and keyword arguments ``kwargs``; under ``deepcompile`` they are ``zf.jit``'s."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: dict = field(default_factory=dict)
+    deepcompile: bool = False
+
+    @property
+    def on(self) -> bool:
+        """Whether the section compiles anything."""
+        return self.enabled or self.deepcompile
+
+
+@dataclass(frozen=True)
 class Config:
     """A parsed DeepSpeed config (see the module docstring).
 
@@ -152,6 +172,7 @@ class Config:
     wall_clock_breakdown: bool
     ignored: tuple[str, ...]
     raw: dict
+    compile: CompileConfig | None = None
 
     @property
     def compute_dtype(self):
@@ -189,13 +210,14 @@ def parse(config: Mapping[str, Any] | str | os.PathLike, world_size: int) -> Con
     aio = _aio(top.sub("aio"))
     steps_per_print = top.get("steps_per_print", "int", None, lo=1, nullable=True)
     wall_clock = top.get("wall_clock_breakdown", "bool", False)
+    compile_ = _compile(top.sub("compile", auto_is_default=True), ignored)
     _top_level_rest(top)
     top.finish()
     return Config(
         train_batch_size=tbs, micro_batch_size=mbs, gradient_accumulation_steps=gas, world_size=world_size,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, gradient_clipping=clip, zero=zero,
         aio=aio, steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, ignored=tuple(ignored),
-        raw=raw,
+        raw=raw, compile=compile_,
     )
 
 
@@ -599,6 +621,78 @@ def _offload_optimizer(sec: _Section | None) -> OffloadOptimizerConfig | None:
     return out
 
 
+# compile keys that only tune how DeepCompile runs (when it frees or copies activations, its
+# buffers, syncs and logs): the results do not depend on them.
+_COMPILE_TUNING = (
+    "free_activation", "free_activation_threshold", "offload_activation_pin_memory", "double_buffer",
+    "symmetric_memory", "debug_log", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
+    "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors",
+)
+
+
+def compile_kwarg_names() -> tuple[str, ...]:
+    """``torch.compile``'s keyword arguments but ``backend`` (given on its own)."""
+    import inspect
+
+    import torch
+
+    return tuple(n for n, p in inspect.signature(torch.compile).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "backend")
+
+
+def _compile(sec: _Section | None, ignored: list) -> CompileConfig | None:
+    """The ``compile`` section: DeepSpeed 0.19's keys (``deepcompile`` and DeepCompile's tuning)
+    and the first section's ``enabled``, ``backend``, ``kwargs`` (see :class:`CompileConfig`).
+    A section that compiles nothing is listed in ``ignored`` whole."""
+    if sec is None:
+        return None
+    mine: list[str] = []
+    sec.ignored = mine  # listed only if the section compiles something
+    enabled = sec.get("enabled", "bool", False)
+    deepcompile = sec.get("deepcompile", "bool", False)
+    backend = sec.get("backend", "str", "inductor")
+    if not backend:
+        raise ValueError("compile.backend must name a torch.compile backend ('inductor', 'aot_eager', ...), got ''")
+    _, kwargs = sec._value("kwargs")
+    if kwargs is _ALWAYS or kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"compile.kwargs must be a dict of torch.compile's keyword arguments, got {kwargs!r} "
+                         f"({type(kwargs).__name__})")
+    kwargs = copy.deepcopy(dict(kwargs))
+    if "backend" in kwargs:
+        raise ValueError("compile.kwargs.backend: give the backend as compile.backend (a sibling of kwargs)")
+    valid = compile_kwarg_names() if kwargs else ()
+    for key in kwargs:
+        if key not in valid:
+            raise ValueError(_unknown(f"compile.kwargs.{key}", key, valid, "compile.kwargs (torch.compile's)"))
+    sec.ignore(*_COMPILE_TUNING)
+    for key, what in (("autoep_non_moe", "AutoEP's non-MoE regional compile"),
+                      ("offload_activation", "DeepCompile's activation offload"),
+                      ("offload_opt_states", "DeepCompile's optimizer-state offload"),
+                      ("offload_parameters", "DeepCompile's parameter offload")):
+        sec.fixed(key, False, what)
+    _, passes = sec._value("passes")
+    if passes is not _ALWAYS and passes is not None:
+        if not isinstance(passes, list) or not all(isinstance(p, str) for p in passes):
+            raise ValueError(f"compile.passes must be a list of pass names, got {passes!r}")
+        for p in passes:
+            if p in ("autosp", "autotp"):
+                raise ValueError(f"'compile.passes' = {json.dumps(passes)}: DeepCompile's {p!r} pass (automatic "
+                                 f"{'sequence' if p == 'autosp' else 'tensor'} parallelism) is not supported yet")
+            if p not in ("z1", "z3"):
+                raise ValueError(unknown(f"compile.passes entry {p!r}", p, ("z1", "z3", "autosp", "autotp"),
+                                         label="DeepCompile's passes", cutoff=0.5))
+        mine.append("compile.passes")  # the ZeRO pass follows zero_optimization.stage here
+    sec.finish()
+    out = CompileConfig(enabled=enabled, backend=backend, kwargs=kwargs, deepcompile=deepcompile)
+    if out.on:
+        ignored.extend(mine)
+    else:  # changes nothing, like a feature section with "enabled": false
+        ignored.append("compile")
+    return out
+
+
 def _aio(sec: _Section | None) -> dict | None:
     """The ``aio`` section as given (numbers as ints), for ``zfunc.ops.aio.AsyncIO.from_config``."""
     if sec is None:
@@ -634,7 +728,6 @@ _TOP_IGNORED = (
     "data_types",  # grad_accum_dtype etc.: zfunc accumulates and keeps master weights in fp32
     "activation_checkpointing",  # configures deepspeed.checkpointing, used only by code that calls it
     "seed",  # not read by DeepSpeed's config; seeding is the script's
-    "compile",  # DeepSpeed's torch.compile / DeepCompile switches
     "dataloader_drop_last",  # DeepSpeed's own data loader
     "managed_gradient_accumulation", "disable_python_gc",  # DeepSpeed engine API / GC behaviour
     "use_data_before_expert_parallelism",  # process-group layout for MoE

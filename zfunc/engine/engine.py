@@ -15,7 +15,9 @@ the step's sums (an ``accumulate`` ``GradSink``), and the ``step()`` at the
 accumulation boundary makes the update (``Step.apply_gradients``); on the same
 micro-batches it takes the same steps as ``train_batch``. Checkpoints are
 zfunc.checkpoint's, with the engine's counters, the config and the model's
-``state_dict`` keys in the manifest.
+``state_dict`` keys in the manifest. ``engine.compile()`` (or the config's ``compile``
+section) compiles the model's blocks in place, zfunc gathering each unit outside the
+compiled code; under ``compile.deepcompile`` the step is ``zf.jit``'s, traced whole.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint, compiled, dist, lazy, swap
-from .compose import build_optimizer, compose
+from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
 from ..transforms.sinks import GradSink, Sink
 from ..grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
 from .loop import Loop
@@ -263,8 +265,17 @@ class Engine(Loop):
         self.state_dict_keys = [compiled.plain_name(k) for k in model.state_dict()]  # without _orig_mod.
         loss = model_loss(model, loss_fn)
         opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
-        self.step_fn = compose(cfg, train_step(loss, opt))
+        self._train_base = train_step(loss, opt)
+        self.step_fn = compose(cfg, self._train_base)
         self.eval_fn = compose(cfg, eval_step(loss))
+        self._compiled: dict | None = None  # torch.compile's arguments, once compiled
+        c = cfg.compile
+        if c is not None and c.deepcompile:  # compose wrapped the step in zf.jit
+            self._compiled = {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")}
+        elif c is not None and c.enabled:  # DeepSpeed's first compile section: compiled at initialize
+            kw = {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")}
+            compile_blocks(model, kw)
+            self._compiled = kw
         self._forward_fn = model_forward(model, loss_fn)
         self._loss_fn = loss_fn
         self.state = self.step_fn.init(model)
@@ -420,7 +431,54 @@ class Engine(Loop):
         self._window = None
         window.close(list(window.passes), _Unfinished())
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ compiling
+
+    def compile(self, backend="inductor", compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the model, as DeepSpeed's ``engine.compile``: its blocks, in place
+        (``zf.compile_units``: each child of every ``nn.ModuleList``, or the whole model when
+        it has none), with ``torch.compile(backend=backend, **compile_kwargs)``; zfunc gathers
+        each unit outside the compiled code. Under the config's ``compile.deepcompile`` the
+        step is compiled whole instead (``zf.jit``) with these arguments.
+
+        ``backend``: a name dynamo knows, the dotted path of a backend function, or a
+        callable; a ``backend`` key in ``compile_kwargs`` is overridden with a warning, as in
+        DeepSpeed. Called again with the same arguments it does nothing, as in DeepSpeed;
+        with other arguments it recompiles before the first step and raises after it. It may
+        be called after training started (the next step runs compiled). ``schedule`` (DeepCompile's
+        pass schedule) and ``compiled_autograd_enabled`` are DeepSpeed's and not supported yet.
+        """
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...): DeepCompile's pass schedules are not supported yet")
+        if compiled_autograd_enabled:
+            raise ValueError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not supported yet")
+        if self._window is not None:
+            raise ValueError("engine.compile() in the middle of an imperative step (engine(batch) since the last "
+                             "update): call it before engine(batch) or after engine.step()")
+        kw = compile_arguments(compile_kwargs, backend, "compile_kwargs")
+        if self._compiled is not None:
+            if kw == self._compiled:
+                return  # DeepSpeed: an engine already compiled is left as it is
+            if self.micro_steps:
+                raise ValueError(
+                    f"engine.compile({_args(kw)}): the engine is already compiled ({_args(self._compiled)}) and "
+                    f"has trained {self.global_steps} step(s); compile it once (DeepSpeed ignores a second "
+                    "engine.compile(), zfunc refuses one with other arguments rather than ignore them)")
+        c = self.config.compile
+        if c is not None and c.deepcompile:
+            self.step_fn = compose(self.config, self._train_base, jit_kwargs=kw)
+        else:
+            compile_blocks(self.model, kw)
+        self._compiled = kw
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile()`` or the config's ``compile`` section compiled the model (DeepSpeed's)."""
+        return self._compiled is not None
+
+    def is_deepcompile_enabled(self) -> bool:
+        """Whether the config asks for the whole step compiled (``compile.deepcompile``; DeepSpeed's)."""
+        return self.config.compile is not None and self.config.compile.deepcompile
 
     # ------------------------------------------------------------------ logging
 
@@ -456,6 +514,10 @@ class Engine(Loop):
             self._window, window = None, self._window
             window.close(list(window.passes), _Unfinished())
         super().close()
+
+
+def _args(kw: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in kw.items())
 
 
 def _reduce_whole(grads: Params, group) -> None:
