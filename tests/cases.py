@@ -5,6 +5,7 @@ import copy
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import zfunc as zf
 from models import batch, build, local, loss
@@ -330,24 +331,29 @@ def micro_batches(b, n: int) -> list:
 def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 4, seed: int = 0,
                  precision: dict | None = None, micro: int | None = None, clip: float | None = None,
                  precision_outside: bool = False, units=None, sgd: bool = False, inject=None,
-                 offload: dict | None = None) -> dict:
+                 offload: dict | None = None, compile: dict | None = None) -> dict:
     """``steps`` steps of ``zeroN([accumulate][mixed_precision](train_step))`` on this rank's
     part of each global batch (split into ``micro`` micro-batches); per-step metrics, the
     full parameters (the fp32 master under mixed precision) and memory accounting.
 
-    ``inject[i]``: the ranks whose gradient gets an inf at step ``i`` (through the loss)."""
+    ``inject[i]``: the ranks whose gradient gets an inf at step ``i`` (through the loss).
+    ``compile``: ``{"how": "blocks" | "wrapped" | "model" | "jit", **torch.compile keywords}``
+    (``compiled`` below); ``result["graphs"]``: dynamo's unique graphs after each step."""
     rank, world, model, shape_model, _ = _setup(name, kw, seed)
+    compiled_model = model if compile is None else compiled(model, compile)
     flags = torch.zeros(())
 
     def loss_fn(params, b):
-        value = loss(name, zf.apply(model, params, b[0]), b[1])
+        value = loss(name, zf.apply(compiled_model, params, b[0]), b[1])
         return _InfInGrad.apply(value, flags) if inject is not None else value
 
     opt = zf.optim.sgd(LR * 10) if sgd else None
     step = compose(stage, loss_fn, units, 0, clip, precision=precision, micro=micro,
                    precision_outside=precision_outside, opt=opt, offload=offload)
-    state = step.init(model)
-    history = []
+    if compile is not None and compile["how"] == "jit":
+        step = zf.jit(step, **{k: v for k, v in compile.items() if k != "how"})
+    state = step.init(compiled_model)
+    history, graphs = [], []
     for i in range(steps):
         flags.fill_(float(inject is not None and rank in inject[i]))
         b = local(batch(name, shape_model, i, per_rank * world, seed), rank, world)
@@ -356,8 +362,10 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
         after = [zf.swap.load(t) for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
         history.append({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
                        | {"unchanged": all(torch.equal(x, y) for x, y in zip(before, after))})
+        graphs.append(counters["stats"]["unique_graphs"])
     with state:  # removes swap files (offload_nvme) when done
         return {
+            "graphs": graphs,
             "params": zf.gather_params(state),
             "dtypes": sorted({str(t.dtype) for t in state.params.leaves}),
             "memory": zf.memory_report(state),
@@ -365,6 +373,27 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
             "history": history,
             "composition": step.composition,
         }
+
+
+def compiled(model: nn.Module, how: dict) -> nn.Module:
+    """``model`` compiled as ``how["how"]`` says, with the rest of ``how`` as torch.compile's keywords
+    (dynamo's caches and counters reset first, as the worker processes outlive a test):
+    ``blocks`` each unit's module in place (zf.compile_units), ``wrapped`` each ModuleList child
+    replaced by ``torch.compile(child)``, ``model`` the whole model wrapped, ``jit`` as it is
+    (``run_composed`` compiles the step)."""
+    torch._dynamo.reset()
+    counters.clear()
+    kw = {k: v for k, v in how.items() if k != "how"}
+    if how["how"] == "blocks":
+        return zf.compile_units(model, **kw)
+    if how["how"] == "wrapped":
+        for blocks in [m for m in model.modules() if isinstance(m, nn.ModuleList)]:
+            for i, block in enumerate(list(blocks)):
+                blocks[i] = torch.compile(block, **kw)
+        return model
+    if how["how"] == "model":
+        return torch.compile(model, **kw)
+    return model
 
 
 class _InfInGrad(torch.autograd.Function):

@@ -9,7 +9,7 @@ This file is the map of the library: everything public is imported here.
 import warnings as _warnings
 
 from . import checkpoint, dist, optim, pipeline, swap, testing
-from .compiled import CompileError, GraphBreakWarning
+from .compiled import CompileError, CompileWarning, GraphBreakWarning
 from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDivergedError
 from .engine import Engine, RepeatingLoader
 from .initialize import initialize
@@ -23,7 +23,7 @@ from .transforms import LossScaler, accumulate, jit, mixed_precision, offload_cp
 from .tree import Params, compile_units
 
 __all__ = [
-    "CompileError", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
+    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
     "gather_params", "grad", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

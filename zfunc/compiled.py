@@ -75,9 +75,44 @@ def modules_by_path(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
+def owner(model: nn.Module, path: str) -> nn.Module:
+    """The module that holds the parameter slots at plain ``path`` (inside any compiled wrapper)."""
+    module = model.get_submodule(path)
+    while is_wrapped(module):
+        module = module._orig_mod
+    return module
+
+
+def real_name(model: nn.Module, name: str) -> str:
+    """Plain ``name`` as ``model`` spells it, ``_orig_mod.`` included where a compiled wrapper
+    stands (what ``functional_call`` needs to reach a slot of a wrapped module)."""
+    out, module = [], model
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        while is_wrapped(module):
+            out.append("_orig_mod")
+            module = module._orig_mod
+        out.append(part)
+        if i < len(parts) - 1:
+            module = module._modules[part]
+    return ".".join(out)
+
+
 def is_wrapped(model: nn.Module) -> bool:
     """Whether ``model`` is ``torch.compile(module)``'s wrapper."""
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def compile_in_place(module: nn.Module, **compile_kwargs) -> None:
+    """``module.compile(**compile_kwargs)``, for a module of torch.nn itself too (an
+    ``nn.Sequential`` block): dynamo starts no frame inside torch.nn, so ``module.compile()``
+    compiles nothing there; it starts here and follows the call in."""
+    call = module._call_impl
+
+    def run(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    module._compiled_call_impl = torch.compile(run, **compile_kwargs)
 
 
 def eager(fn):

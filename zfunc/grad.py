@@ -51,6 +51,7 @@ class ParamView(Mapping):
         self._scopes: list[list[tuple[Materializer, int]]] = [[]]
         self._checked: set[int] = set()
         self._own_params: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
+        self._wrapped: dict[int, Callable] = {}  # compiled blocks attached for this step -> what detaches them
         # mixed precision: floating-point inputs of zf.apply take the compute dtype (as FSDP2's
         # cast_forward_inputs), so a float32 batch runs in the model's dtype
         self.input_dtype = next((p.param_dtype for p in trainable.spec.placements if p.param_dtype), None)
@@ -89,9 +90,13 @@ class ParamView(Mapping):
         self._scopes = [[]]
 
     def restore_models(self) -> None:
-        """Give models that kept their parameters their own tensors back."""
+        """Give models that kept their parameters their own tensors back, and compiled blocks
+        their own compiled code."""
         lazy.restore_parameters(self._own_params)
         self._own_params = []
+        for unwrap in self._wrapped.values():
+            unwrap()
+        self._wrapped = {}
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         if id(model) not in self._checked:
@@ -101,14 +106,23 @@ class ParamView(Mapping):
             # until the step is over, so every read of a weight sees the state's value
             self._own_params += lazy.install_stand_ins(model, self.spec.canonical_name)
         root, sites = _sites(model, self.spec)
-        handles = [_UnitSlots(self, slots).install(module) for module, slots in sites]
+        handles = []
+        for module, slots in sites:
+            if compiled.is_wrapped(module) or getattr(module, "_compiled_call_impl", None) is not None:
+                # a compiled block stays attached for the whole step: an activation checkpoint
+                # recomputing it in backward must not show dynamo the stand-ins (another graph)
+                if id(module) not in self._wrapped:
+                    fill = _UnitSlots(self, slots)
+                    self._wrapped[id(module)] = fill.hook(module) if compiled.is_wrapped(module) else fill.wrap(module)
+            else:
+                handles.append(_UnitSlots(self, slots).hook(module))
         if compiled.is_wrapped(model):
             compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
         if self.input_dtype is not None:
             args, kwargs = _cast_inputs(self.input_dtype, args, kwargs)
         self.open_scope()
         try:
-            tensors = {name: self[name] for name in (root.located if root else ())}
+            tensors = {real: self[name] for name, real in root}
             tensors.update(self.buffers)
             return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
         except torch._dynamo.exc.Unsupported as e:
@@ -127,19 +141,20 @@ _SITES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionar
 
 
 def _sites(model: nn.Module, spec: ModelSpec):
-    """The root unit, and each other unit's module with its parameter slots ``(name, owner,
-    attr)``: looked up once per model and layout, not at every forward."""
+    """The root unit's parameters ``(name, the name functional_call reaches it by)``, and each
+    other unit's module with its parameter slots ``(name, owner, attr)``: looked up once per
+    model and layout, not at every forward."""
     cached = _SITES.get(model)
     if cached is None or cached[0] is not spec:
-        root, sites = None, []
+        root, sites = (), []
         for unit in spec.units:
             if unit.name == "":
-                root = unit
+                root = tuple((name, compiled.real_name(model, name)) for name in unit.located)
                 continue
             slots = []
             for name in unit.located:
                 owner, _, attr = name.rpartition(".")
-                slots.append((name, model.get_submodule(owner), attr))
+                slots.append((name, compiled.owner(model, owner), attr))
             sites.append((compiled.modules_by_path(model)[unit.name], tuple(slots)))
         cached = _SITES[model] = (spec, root, tuple(sites))
     return cached[1], cached[2]
@@ -155,40 +170,52 @@ class _UnitSlots:
         self.slots = slots
         self.saved: list[list] = []
 
-    def install(self, module: nn.Module) -> Callable[[], None]:
-        """Attach to ``module``; returns what detaches."""
-        inner = getattr(module, "_compiled_call_impl", None)
-        if inner is not None:
-            @compiled.eager
-            def around(*args, **kwargs):
-                self.enter(module, args)
-                try:
-                    output = inner(*args, **kwargs)
-                finally:
-                    self.exit(module, args, None)
-                return output
-
-            module._compiled_call_impl = around
-            return lambda: setattr(module, "_compiled_call_impl", inner)
+    def hook(self, module: nn.Module) -> Callable[[], None]:
+        """Attach as forward hooks; returns what detaches."""
         pre = module.register_forward_pre_hook(self.enter)
         post = module.register_forward_hook(self.exit, always_call=True)
         return lambda: (pre.remove(), post.remove())
 
+    def wrap(self, module: nn.Module) -> Callable[[], None]:
+        """Attach around a module's compiled code (``module.compile()``), for the whole step:
+        an activation checkpoint's recomputation in backward calls it too, and gets the unit from
+        the step's Tracker (dynamo never sees a stand-in). Returns what detaches."""
+        inner = module._compiled_call_impl
+
+        @compiled.eager
+        def around(*args, **kwargs):
+            self.enter(module, args)
+            try:
+                output = inner(*args, **kwargs)
+            finally:
+                self.exit(module, args, None)
+            return output
+
+        module._compiled_call_impl = around
+        return lambda: setattr(module, "_compiled_call_impl", inner)
+
     @compiled.eager
     def enter(self, module, args):
-        self.view.open_scope()
+        resolver = lazy.current()
+        forward = resolver is self.view  # else backward recomputing (the Tracker), or outside a step
+        if forward:
+            self.view.open_scope()
         old = []
-        self.saved.append(old)  # first: if materializing fails, exit restores what was replaced
+        self.saved.append((forward, old))  # first: if materializing fails, exit restores what was replaced
+        if resolver is None:
+            return  # the stand-ins stay, and say how to run the model
         for name, mod, attr in self.slots:
-            value = self.view[name]
+            value = self.view[name] if forward else resolver.resolve(name)
             old.append(mod._parameters[attr])
             mod._parameters[attr] = value
 
     @compiled.eager
     def exit(self, module, args, output):
-        for (_, mod, attr), prev in zip(self.slots, self.saved.pop()):
+        forward, old = self.saved.pop()
+        for (_, mod, attr), prev in zip(self.slots, old):
             mod._parameters[attr] = prev
-        self.view.close_scope()
+        if forward:
+            self.view.close_scope()
 
 
 def apply(model: nn.Module, params: Mapping[str, torch.Tensor], *args, **kwargs) -> Any:

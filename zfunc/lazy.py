@@ -55,6 +55,7 @@ class LazyParameter(nn.Parameter):
                                 self._zfunc_name, self.requires_grad))
 
     @classmethod
+    @compiled.eager  # a stand-in read inside compiled code: resolved (gathered) outside the graph
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA or _is_metadata_getter(func):
@@ -87,6 +88,11 @@ def _is_metadata_getter(func) -> bool:
 
 def _flat(args, kwargs):
     return torch.utils._pytree.tree_leaves((args, kwargs))
+
+
+def current():
+    """The resolver stand-ins read through now (the forward's ParamView, backward's Tracker), or None."""
+    return _resolvers[-1] if _resolvers else None
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import buffers, dist, layout, placement, swap
+from . import buffers, compiled, dist, layout, placement, swap
 from .placement import Placement, grad_is_shard
 from .tree import Params
 
@@ -246,6 +246,7 @@ class Tracker:
         if buf is not None:
             self._give_back(unit, buf)
 
+    @compiled.eager
     def pack(self, t: torch.Tensor):
         # a tensor saved as it is (not detached) holds its own node when the node saved its output:
         # a cycle through autograd that the garbage collector cannot see, so a graph never
@@ -263,12 +264,14 @@ class Tracker:
         # storage (a swap pool buffer is aligned inside a larger allocation)
         return _SavedView(unit, t.size(), t.stride(), t.storage_offset() - self.starts[unit])
 
+    @compiled.eager
     def unpack(self, saved):
         if not isinstance(saved, _SavedView):
             return saved
         buf = self._backward_buffer(saved.unit)
         return buf.as_strided(saved.size, saved.stride, buf.storage_offset() + saved.offset)
 
+    @compiled.eager
     def resolve(self, name: str) -> torch.Tensor:
         """A parameter read during backward (an activation checkpoint recomputing its
         forward): its value from the unit, re-gathered as for saved tensors."""

@@ -205,13 +205,13 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
 
 
 def compile_units(model: nn.Module, units=None, **compile_kwargs) -> nn.Module:
-    """Compile each unit's module in place (``module.compile(**compile_kwargs)``), torchtitan's
-    recipe: by default every child of every ``nn.ModuleList``, else the modules of the unit
-    policy ``units`` (as zf.zero3's). Before or after ``step.init``; returns ``model``.
-    zfunc gathers a unit outside its compiled code, so each block is one graph."""
-    modules = compiled.modules_by_path(model)
+    """Compile each unit's module in place, torchtitan's recipe: by default every child of every
+    ``nn.ModuleList``, else the modules of the unit policy ``units`` (as zf.zero3's), with
+    ``torch.compile``'s keywords (zfunc.compiled.compile_in_place). Call it before ``step.init``;
+    returns ``model``. zfunc gathers a unit outside its compiled code, so each block is one graph
+    (``fullgraph=True`` holds)."""
     for path in unit_modules(model, units):
-        modules[path].compile(**compile_kwargs)
+        compiled.compile_in_place(compiled.owner(model, path), **compile_kwargs)
     return model
 
 
@@ -220,7 +220,7 @@ def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
     flat = buffers.zeros(seg.padded, seg.dtype, device)
     for e in seg.entries:
         owner, _, attr = e.name.rpartition(".")
-        p = model.get_submodule(owner)._parameters[attr]
+        p = compiled.owner(model, owner)._parameters[attr]
         flat[e.offset : e.offset + e.numel].copy_(p.detach().reshape(-1))
     return flat
 
