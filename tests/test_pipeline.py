@@ -2,6 +2,7 @@
 on plain PyTorch: fp32 within 1e-5, for P = 2, 3 and P = 2 x DP = 2, 1F1B and GPipe."""
 import pytest
 import torch
+from torch._dynamo.utils import counters
 import torch.nn.functional as F
 from torch import nn
 
@@ -93,14 +94,21 @@ def config(micro: int, stage: int = 1, **extra) -> dict:
 
 def run_pipeline(stages: int, micro: int, steps: int, schedule: str, stage: int = 1, extra=None,
                  kind: str = "join") -> dict:
-    engine = zf.initialize(pipe(stages, schedule, kind=kind), config(micro, stage, **(extra or {})))
+    extra = dict(extra or {})
+    compile_engine = extra.pop("compile_engine", False)
+    torch._dynamo.reset()  # the worker processes outlive a test
+    counters.clear()
+    engine = zf.initialize(pipe(stages, schedule, kind=kind), config(micro, stage, **extra))
+    if compile_engine:
+        engine.compile(backend="aot_eager")
     replica = engine.grid.replica
-    losses = []
+    losses, graphs = [], []
     for i in range(steps):
         data = iter([micro_batch(i, m, replica) for m in range(micro)])
         losses.append(float(engine.train_batch(data)))
+        graphs.append(counters["stats"]["unique_graphs"])
     times = {k: engine.last_metrics[k] for k in ("forward_s", "backward_s", "busy_s", "schedule_s", "schedule_window")}
-    return {"stage": engine.grid.stage, "params": engine.params(), "losses": losses, "times": times,
+    return {"stage": engine.grid.stage, "params": engine.params(), "losses": losses, "times": times, "graphs": graphs,
             "eval": float(engine.eval_batch(iter([micro_batch(steps, m, replica) for m in range(micro)])))}
 
 
@@ -349,3 +357,14 @@ def test_the_gpt_example_trains_as_a_pipeline_under_torchrun():
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 pipeline stages x 1 data-parallel replica(s)" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["config", "engine"])
+def test_compiled_layers_train_as_the_eager_pipeline(how):
+    """Each stage's layers compiled (the config's compile section, or engine.compile()): the
+    unpipelined model's numbers, tied embedding and head across stages included."""
+    extra = {"compile": {"enabled": True, "backend": "aot_eager"}} if how == "config" else {"compile_engine": True}
+    results = workers(2).run(run_pipeline, 2, 2, 3, "1f1b", 1, extra)
+    _check(results, 2, 2, 3, 1)
+    for r in results:
+        assert r["graphs"][0] > 0 and r["graphs"][-1] == r["graphs"][0], r["graphs"]

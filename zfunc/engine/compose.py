@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..optim import lr as lr_schedules
-from .. import optim
+from .. import compiled, optim
 from ..transforms.accumulate import accumulate
 from .config import OffloadParamConfig
 from ..transforms.loss_scale import LossScaler
@@ -80,10 +80,10 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
     wrapped in ``zf.jit`` last, given ``jit_kwargs`` (``torch.compile``'s arguments; default:
     the section's ``backend`` and ``kwargs``)."""
     c = cfg.compile
-    if c is not None and c.on and not accumulate_micro:
-        key = "compile.deepcompile" if c.deepcompile else "compile.enabled"
-        raise ValueError(f"{key!r} = true with a PipelineModule: compiling a pipeline's stages is not supported "
-                         "yet (compile the layers yourself: layer.compile() for each, before zf.initialize)")
+    if c is not None and c.deepcompile and not accumulate_micro:
+        raise ValueError("'compile.deepcompile' = true with a PipelineModule: a stage's step is driven by its "
+                         "schedule, one micro-batch at a time, not traced whole; compile its layers instead "
+                         "('compile': {'enabled': true}, or engine.compile())")
     step = base
     if cfg.gradient_accumulation_steps > 1 and accumulate_micro and not isinstance(base, EvalStep):
         step = accumulate(step, cfg.gradient_accumulation_steps)
@@ -190,5 +190,5 @@ def compile_blocks(model: nn.Module, kwargs: dict) -> list[str]:
     if paths:
         compile_units(model, **kwargs)
         return paths
-    model.compile(**kwargs)
+    compiled.compile_in_place(model, **kwargs)
     return [""]

@@ -24,7 +24,7 @@ import torch
 
 from .. import checkpoint, dist, lazy
 from . import schedules as S
-from ..engine.compose import build_optimizer, compose
+from ..engine.compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
 from ..grad import GradOut, apply, grad_spec, materialized, scalar_loss
 from ..engine.loop import Loop
 from ..transforms.sinks import GradSink
@@ -55,6 +55,9 @@ class PipelineEngine(Loop):
         self.pipeline_schedule = pipe.schedule  # "1f1b" or "gpipe", see zfunc.pipeline.schedules
         self.grid = grid = make_grid(pipe)
         self.module = pipe.build(grid.stage)
+        c = cfg.compile
+        if c is not None and c.enabled:  # the stage's layers, each compiled in place (zf.compile_units)
+            compile_blocks(self.module, {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")})
         self._tie_initial_weights()
         opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
 
@@ -72,6 +75,12 @@ class PipelineEngine(Loop):
         self.fwd_in = Link(grid.prev, ACT) if grid.stage > 0 else None
         self.bwd = Link(grid.prev, GRAD) if grid.stage > 0 else None  # input gradients out
         self.bwd_in = Link(grid.next, GRAD) if grid.stage < grid.stages - 1 else None
+
+    def compile(self, backend="inductor", compile_kwargs: dict | None = None) -> None:
+        """Compile this stage's layers, each in place (``zf.compile_units``) with
+        ``torch.compile(backend=backend, **compile_kwargs)``, as ``Engine.compile`` compiles a
+        model's blocks; zfunc gathers each layer's unit outside its compiled code."""
+        compile_blocks(self.module, compile_arguments(compile_kwargs, backend, "compile_kwargs"))
 
     @staticmethod
     def _check_config(cfg) -> None:
