@@ -185,3 +185,26 @@ def test_jit_refuses_what_leaves_ram(tmp_path):
             step(state, torch.ones(2, 4))
     with pytest.raises(ValueError, match="already applied"):
         zf.jit(step)
+
+
+class _Breaks(nn.Module):
+    """A block dynamo cannot trace whole: a data-dependent Python branch on a tensor's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 if h.sum().item() > 0 else h
+
+
+def test_a_block_that_cannot_compile_is_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), _Breaks()]))
+    model.forward = lambda x: model[1][1](model[1][0](model[0](x)))
+    zf.compile_units(model, fullgraph=True, **AOT)
+    step = zf.zero3(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(), zf.optim.sgd(0.1)))
+    state = step.init(model)
+    with pytest.raises(zf.CompileError, match=r"could not compile unit '1\.1' under zfunc: .*leave it eager"):
+        step(state, torch.ones(2, 4))

@@ -42,6 +42,16 @@ class GraphBreakWarning(CompileWarning):
     """A compiled model whose graph zfunc breaks at unit boundaries (said once per model)."""
 
 
+def cannot_compile(what: str, error: Exception, hint: str = "") -> CompileError:
+    """The error for ``what`` (a unit, the model) that dynamo could not compile: its reason, not
+    dynamo's stack; ``hint``: what to do instead."""
+    reason = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return CompileError(
+        f"torch.compile could not compile {what} under zfunc: {reason}. "
+        + (hint or "Make that code traceable (TORCH_LOGS=graph_breaks shows where), compile it without "
+           "fullgraph=True, or leave it eager: zf.compile_units(model, units=[...]) compiles the blocks you name"))
+
+
 def plain_name(name: str) -> str:
     """``name`` without torch.compile's ``_orig_mod.`` segments."""
     if _WRAPPED not in name and not name.endswith("_orig_mod"):

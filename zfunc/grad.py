@@ -52,6 +52,7 @@ class ParamView(Mapping):
         self._checked: set[int] = set()
         self._own_params: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
         self._wrapped: dict[int, Callable] = {}  # compiled blocks attached for this step -> what detaches them
+        self.running: str | None = None  # the unit whose module runs (last entered), for compile errors
         # mixed precision: floating-point inputs of zf.apply take the compute dtype (as FSDP2's
         # cast_forward_inputs), so a float32 batch runs in the model's dtype
         self.input_dtype = next((p.param_dtype for p in trainable.spec.placements if p.param_dtype), None)
@@ -107,15 +108,15 @@ class ParamView(Mapping):
             self._own_params += lazy.install_stand_ins(model, self.spec.canonical_name)
         root, sites = _sites(model, self.spec)
         handles = []
-        for module, slots in sites:
+        for name, module, slots in sites:
             if compiled.is_wrapped(module) or getattr(module, "_compiled_call_impl", None) is not None:
                 # a compiled block stays attached for the whole step: an activation checkpoint
                 # recomputing it in backward must not show dynamo the stand-ins (another graph)
                 if id(module) not in self._wrapped:
-                    fill = _UnitSlots(self, slots)
+                    fill = _UnitSlots(self, name, slots)
                     self._wrapped[id(module)] = fill.hook(module) if compiled.is_wrapped(module) else fill.wrap(module)
             else:
-                handles.append(_UnitSlots(self, slots).hook(module))
+                handles.append(_UnitSlots(self, name, slots).hook(module))
         if compiled.is_wrapped(model):
             compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
         if self.input_dtype is not None:
@@ -125,12 +126,13 @@ class ParamView(Mapping):
             tensors = {real: self[name] for name, real in root}
             tensors.update(self.buffers)
             return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
-        except torch._dynamo.exc.Unsupported as e:
-            raise compiled.CompileError(
-                f"torch.compile could not compile this model under zfunc: {str(e).splitlines()[0]}. zfunc "
-                "gathers each unit outside the compiled code, so a compiled model breaks its graph at every "
-                "unit (fullgraph=True cannot hold); compile the blocks instead: zf.compile_units(model, "
-                "fullgraph=True) before step.init") from e
+        except torch._dynamo.exc.TorchDynamoException as e:
+            if compiled.is_wrapped(model) and self.running is None:
+                raise compiled.cannot_compile("the model", e, "zfunc gathers each unit outside the compiled code, "
+                                              "so a compiled model breaks its graph at every unit (fullgraph=True "
+                                              "cannot hold); compile the blocks instead: zf.compile_units(model, "
+                                              "fullgraph=True) before step.init") from e
+            raise compiled.cannot_compile(f"unit {self.running or '<root>'!r}", e) from e
         finally:
             self.close_scope()
             for h in handles:
@@ -155,7 +157,7 @@ def _sites(model: nn.Module, spec: ModelSpec):
             for name in unit.located:
                 owner, _, attr = name.rpartition(".")
                 slots.append((name, compiled.owner(model, owner), attr))
-            sites.append((compiled.modules_by_path(model)[unit.name], tuple(slots)))
+            sites.append((unit.name, compiled.modules_by_path(model)[unit.name], tuple(slots)))
         cached = _SITES[model] = (spec, root, tuple(sites))
     return cached[1], cached[2]
 
@@ -165,8 +167,9 @@ class _UnitSlots:
     takes them out after: forward hooks, or for a module compiled in place (``module.compile()``)
     a call around its compiled code, so the gather stays outside the graph (zfunc.compiled)."""
 
-    def __init__(self, view: ParamView, slots: tuple):
+    def __init__(self, view: ParamView, name: str, slots: tuple):
         self.view = view
+        self.name = name  # the unit's module path, for errors
         self.slots = slots
         self.saved: list[list] = []
 
@@ -185,10 +188,13 @@ class _UnitSlots:
         @compiled.eager
         def around(*args, **kwargs):
             self.enter(module, args)
+            output = None
             try:
                 output = inner(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                raise compiled.cannot_compile(f"unit {self.name!r}", e) from e
             finally:
-                self.exit(module, args, None)
+                self.exit(module, args, output)
             return output
 
         module._compiled_call_impl = around
@@ -200,6 +206,7 @@ class _UnitSlots:
         forward = resolver is self.view  # else backward recomputing (the Tracker), or outside a step
         if forward:
             self.view.open_scope()
+            self.view.running = self.name
         old = []
         self.saved.append((forward, old))  # first: if materializing fails, exit restores what was replaced
         if resolver is None:
@@ -216,6 +223,8 @@ class _UnitSlots:
             mod._parameters[attr] = prev
         if forward:
             self.view.close_scope()
+            if output is not None:  # it ran to the end (an exception leaves its name for the error)
+                self.view.running = None
 
 
 def apply(model: nn.Module, params: Mapping[str, torch.Tensor], *args, **kwargs) -> Any:
