@@ -53,16 +53,22 @@ def checkpointed(kind: str):
     return model, loss_fn
 
 
-def run(kind: str, stage: int, per_rank: int, offload: dict | None = None) -> dict:
-    """``offload``: ``{"kind": "cpu" | "nvme", **keywords}`` inside the stage."""
+def run(kind: str, stage: int, per_rank: int, offload: dict | None = None, compile: str | None = None) -> dict:
+    """``offload``: ``{"kind": "cpu" | "nvme", **keywords}`` inside the stage. ``compile``: the
+    decoder layers compiled (``"blocks"``, zf.compile_units) or the step (``"jit"``), aot_eager."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model, loss_fn = checkpointed(kind)
+    torch._dynamo.reset()
+    if compile == "blocks":
+        zf.compile_units(model, backend="aot_eager")
 
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
     if offload is not None:
         kw = dict(offload)
         step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
     step = {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+    if compile == "jit":
+        step = zf.jit(step, backend="aot_eager")
     with step.init(model) as state:
         for i in range(STEPS):
             state, _ = step(state, tokens(i, per_rank * world)[rank * per_rank : (rank + 1) * per_rank])
@@ -76,6 +82,15 @@ def test_transformers_model_matches_pytorch(kind, world):
     for stage in (0, 1, 2, 3):
         for got in workers(world).run(run, kind, stage, 2):
             assert_close_to(got, expected)
+
+
+@pytest.mark.parametrize("compile", ["blocks", "jit"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_model_compiled_matches_pytorch(kind, compile):
+    """Decoder layers compiled (with Hugging Face's activation checkpointing), or the step, under zero3 at W = 2."""
+    expected = reference(kind, 4)
+    for got in workers(2).run(run, kind, 3, 2, None, compile):
+        assert_close_to(got, expected)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
