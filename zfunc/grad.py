@@ -248,7 +248,7 @@ def _cast_inputs(dtype: torch.dtype, args, kwargs):
     return tree_map(cast, (tuple(args), dict(kwargs)))
 
 
-def _split(out, has_aux: bool):
+def loss_and_aux(out, has_aux: bool):
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError("with has_aux=True, loss_fn must return a pair (loss, aux)")
@@ -374,7 +374,7 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
             return GradOut(*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
         with materialized(params, frozen, buffers, differentiable=True) as (view, tracker, anchors):
             tracker.sink = sink
-            loss, aux = _split(forward(loss_fn, view, tracker, batch), has_aux)
+            loss, aux = loss_and_aux(forward(loss_fn, view, tracker, batch), has_aux)
             with lazy.resolving(tracker):
                 grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
             tracker.finish()
@@ -405,7 +405,7 @@ def _device(grads: Params) -> torch.device:
 def _plain_value_and_grad(loss_fn, has_aux, params, batch):
     leaves, treedef = tree_flatten(params)
     leaves = [t.detach().requires_grad_() for t in leaves]
-    loss, aux = _split(_call(loss_fn, tree_unflatten(treedef, leaves), batch), has_aux)
+    loss, aux = loss_and_aux(_call(loss_fn, tree_unflatten(treedef, leaves), batch), has_aux)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
     grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves)]
     return loss.detach(), aux, tree_unflatten(treedef, grads)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from . import compiled, dist, layout
-from .grad import GradOut, _split, grad_spec
+from .grad import GradOut, grad_spec, loss_and_aux
 from .placement import gathers, grad_is_shard
 from .transform import Transform
 from .tree import Params
@@ -104,7 +104,7 @@ class Program:
             if segment.entries:
                 tensors.update(segment.unflatten(funcol.all_gather_tensor(leaf, 0, self.group) if gather else leaf))
         tensors.update(buffers)
-        return _split(self.loss_fn(Views(self.model, tensors, self.input_dtype), batch), self.has_aux)
+        return loss_and_aux(self.loss_fn(Views(self.model, tensors, self.input_dtype), batch), self.has_aux)
 
 
 class Jit(Transform):
