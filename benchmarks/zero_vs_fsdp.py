@@ -47,6 +47,7 @@ zero3-jit's gathers are functional collectives called from compiled code, which 
 wrapper never sees: its column stays empty.
 """
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -168,6 +169,9 @@ def parse_args(argv=None):
     p.add_argument("--compile-tolerance", type=float, default=None,
                    help=f"relative loss difference flagged as a mismatch for the compiled modes (default "
                    f"{COMPILE_FP32_TOLERANCE:g} in fp32, the bf16 tolerance in bf16; see COMPILE_FP32_TOLERANCE)")
+    p.add_argument("--preload-compiler", action="store_true",
+                   help="import torch's compiler (dynamo, inductor: about 120 MiB of code) in every mode before the "
+                   "baseline RSS, so 'peak above baseline' compares the models' memory, compiled or not")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode before its processes are killed")
     p.add_argument("--nvme-path", default=None, help="folder for the *_nvme modes' swap files (default: a temporary "
                    "folder under $TMPDIR, on whatever disk holds it)")
@@ -407,6 +411,8 @@ def worker(args):
             dist.init_process_group("gloo")
         rank, world, batch = dist.get_rank(), dist.get_world_size(), args.batch
 
+    if args.preload_compiler:  # the compiler's own code in every mode's baseline, so above it is the model's
+        importlib.import_module("torch._inductor.compile_fx")
     baseline_rss = current_rss_bytes()  # libraries and process group, before the model exists
     torch.manual_seed(args.seed)  # the same initial weights in every mode and on every rank
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
@@ -475,7 +481,8 @@ def run_mode(mode, args, tmp, repeat):
     argv = [os.path.abspath(__file__), "--worker", mode, "--result", result] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
         ("steps", "warmup", "layers", "width", "heads", "vocab", "seq", "batch", "world", "lr", "wd", "torch_adam", "seed",
-          "precision", "nvme_path", "prefetch_bucket", "reuse_distance", "compile_backend") if getattr(args, k) is not None]
+          "precision", "nvme_path", "prefetch_bucket", "reuse_distance", "compile_backend") if getattr(args, k) is not None
+    ] + (["--preload-compiler"] if args.preload_compiler else [])
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TORCHINDUCTOR_COMPILE_THREADS": str(args.compile_threads)}
     if mode.startswith("ds"):
