@@ -208,3 +208,18 @@ def test_a_block_that_cannot_compile_is_named():
     state = step.init(model)
     with pytest.raises(zf.CompileError, match=r"could not compile unit '1\.1' under zfunc: .*leave it eager"):
         step(state, torch.ones(2, 4))
+
+
+def test_jit_leaves_a_unit_the_loss_does_not_use_alone():
+    """As the eager step (and torch.optim with set_to_none): no gradient, no update, not even weight decay."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    model.forward = lambda x: model[1][0](model[0](x))  # unit 1.1 never runs
+    step = zf.jit(zf.zero3(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(),
+                                         zf.optim.adamw(0.1, weight_decay=0.1))), **AOT)
+    state = step.init(model)
+    before = zf.gather_params(state)
+    state, _ = step(state, torch.ones(2, 4))
+    after = zf.gather_params(state)
+    assert torch.equal(before["1.1.weight"], after["1.1.weight"])
+    assert not torch.equal(before["1.0.weight"], after["1.0.weight"])

@@ -16,7 +16,7 @@ of the stored leaves that ``torch.compile`` traces whole, collectives included:
 What the program gives up against the eager step: it keeps each gathered unit from its
 gather to its backward (no release and re-gather; the compiler frees what it can), there is
 no coordinator (no prefetch metrics, no divergence report: every rank must trace the same
-program), and a unit whose gradient is not connected to the loss on a rank gets zeros.
+program). A unit the loss does not use gets no gradient (``None``) and no update, as eagerly.
 Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
 host copies) are not tensors of a program: such a step raises ``CompileError``.
 """
