@@ -150,7 +150,8 @@ def test_a_fullgraph_model_raises_naming_what_to_compile():
     inner.forward = lambda x: inner[1][0](inner[0](x))
     step = zf.zero3(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(), zf.optim.sgd(0.1)))
     state = step.init(model)
-    with pytest.raises(zf.CompileError, match=r"compile the blocks instead: zf.compile_units\(model, fullgraph=True\)"):
+    with pytest.raises(zf.CompileError, match=r"compile the blocks instead: zf.compile_units\(model, fullgraph=True\)"), \
+            pytest.warns(zf.GraphBreakWarning, match="1 unit boundary"):
         step(state, torch.ones(2, 4))
 
 

@@ -141,7 +141,7 @@ def warn_graph_breaks(model: nn.Module, unit_names: list[str]) -> None:
     shown = ", ".join(unit_names[:4]) + (", ..." if len(unit_names) > 4 else "")
     warnings.warn(
         f"torch.compile(model) under zfunc: the compiled graph breaks at the {len(unit_names)} unit "
-        f"boundaries ({shown}), where zfunc gathers each unit and releases it after; each unit "
+        f"boundar{'y' if len(unit_names) == 1 else 'ies'} ({shown}), where zfunc gathers each unit and releases it after; each unit "
         "compiles as its own graph. For one graph per block and no breaks, compile the blocks "
         "instead: zf.compile_units(model) (or block.compile() for each) before step.init",
         GraphBreakWarning, stacklevel=3)
