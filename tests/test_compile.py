@@ -224,3 +224,33 @@ def test_jit_leaves_a_unit_the_loss_does_not_use_alone():
     after = zf.gather_params(state)
     assert torch.equal(before["1.1.weight"], after["1.1.weight"])
     assert not torch.equal(before["1.0.weight"], after["1.0.weight"])
+
+
+def _skipping_run(how: str | None, meta: bool) -> dict:
+    """Three steps of a model whose forward skips a block by control flow (another one each step),
+    built on the meta device or not, blocks compiled or not."""
+    from cases import seeded_init
+    from models import build
+
+    with torch.device("meta" if meta else "cpu"):
+        model = build("skipping")
+    if how is not None:
+        model = compiled(model, HOW[how])
+    step = zf.zero3(zf.train_step(lambda p, b: ((zf.apply(model, p, b[0]) - b[1]) ** 2).mean(),
+                                  zf.optim.adamw(1e-2, weight_decay=0.1)))
+    if how == "jit":
+        step = zf.jit(step, **AOT)  # one program per path (dynamo guards on model.skip)
+    state = step.init(model, init_fn=seeded_init if meta else None)
+    for i, skip in enumerate([None, 1, 1, None]):
+        model.skip = skip
+        g = torch.Generator().manual_seed(i)
+        state, _ = step(state, (torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)))
+    return zf.gather_params(state)
+
+
+@pytest.mark.filterwarnings("ignore::zfunc.GraphBreakWarning")
+@pytest.mark.parametrize("meta", [False, True])
+@pytest.mark.parametrize("how", ["blocks", "model", "jit"])
+def test_blocks_skipped_by_control_flow_and_meta_init_compiled(how, meta):
+    """A skipped block gets no update, compiled or not; a meta-device model compiles as a built one."""
+    _close(_skipping_run(how, meta), _skipping_run(None, meta), 1e-5)
