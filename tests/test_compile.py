@@ -27,6 +27,7 @@ HOW = {
     "wrapped": {"how": "wrapped", **AOT},
     "model": {"how": "model", **AOT},
     "jit": {"how": "jit", **AOT},
+    "regather": {"how": "jit", "regather": True, **AOT},  # zf.jit gathering again in backward
 }
 COMPOSITIONS = {
     "fp32": {},
@@ -70,7 +71,7 @@ def _compiles_once(r: dict) -> None:
     assert r["graphs"][-1] == r["graphs"][0], f"new graphs after the first step: {r['graphs']}"
 
 
-@pytest.mark.parametrize("how", ["blocks", "fullgraph", "wrapped", "model", "jit"])
+@pytest.mark.parametrize("how", ["blocks", "fullgraph", "wrapped", "model", "jit", "regather"])
 @pytest.mark.parametrize("name", ["gpt", "checkpointed", "external"])
 def test_each_way_of_compiling_equals_eager_and_pytorch(name, how):
     """A tied GPT (head read in the root), activation checkpointing inside and around blocks,
@@ -86,13 +87,13 @@ def test_each_way_of_compiling_equals_eager_and_pytorch(name, how):
 
 
 @settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck))
-@given(how=st.sampled_from(["blocks", "wrapped", "model", "jit"]), stage=st.sampled_from([0, 1, 2, 3]),
+@given(how=st.sampled_from(["blocks", "wrapped", "model", "jit", "regather"]), stage=st.sampled_from([0, 1, 2, 3]),
        composition=st.sampled_from(list(COMPOSITIONS)), world=st.sampled_from([1, 2, 3]),
        name=st.sampled_from(["deep_mlp", "gpt", "frozen_bn"]))
 def test_any_composition_compiled_equals_eager(how, stage, composition, world, name):
     """Compiled blocks, models and steps under any stage, precision, accumulation, offload,
     clipping and prefetch, W = 1, 2, 3: the eager step's numbers, and no new graph after step 1."""
-    if how == "jit" and composition == "offload_nvme":
+    if how in ("jit", "regather") and composition == "offload_nvme":
         return  # zf.jit refuses it (test_jit_refuses_what_leaves_ram)
     if composition == "offload_nvme" and stage in (1, 2):
         composition = "offload_cpu"  # parameters on NVMe need zero3 (zero1/2 keep them whole)
@@ -254,3 +255,40 @@ def _skipping_run(how: str | None, meta: bool) -> dict:
 def test_blocks_skipped_by_control_flow_and_meta_init_compiled(how, meta):
     """A skipped block gets no update, compiled or not; a meta-device model compiles as a built one."""
     _close(_skipping_run(how, meta), _skipping_run(None, meta), 1e-5)
+
+
+def saved_bytes_of_jit(regather: bool) -> dict:
+    """Bytes autograd keeps for backward in one zf.jit(zero3) step of 4 wide layers, besides the
+    state's own shards, and the result."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([nn.Linear(256, 256, bias=False) for _ in range(4)]))
+    model.forward = lambda x: torch.tanh(model[0][3](torch.tanh(model[0][2](torch.tanh(model[0][1](torch.tanh(model[0][0](x))))))))
+    step = zf.jit(zf.zero3(zf.train_step(lambda p, x: zf.apply(model, p, x).square().mean(), zf.optim.adamw(1e-2))),
+                  regather=regather, **AOT)
+    state = step.init(model)
+    saved = []
+    shards = {t.untyped_storage().data_ptr() for t in state.params.leaves}  # the state's own memory
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in shards:
+            saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for i in range(2):
+            saved.clear()
+            state, _ = step(state, torch.randn(8, 256, generator=torch.Generator().manual_seed(i)))
+    return {"saved": sum(saved), "params": zf.gather_params(state)}
+
+
+def test_jit_regather_keeps_shards_not_gathered_units():
+    """zf.jit(..., regather=True): the all-gathers are done again in backward (SimpleFSDP's
+    policy), so backward keeps only the state's shards and the activations, not the gathered
+    weights (256 KB each; the first layer's is not needed: the input takes no gradient); same numbers."""
+    kept, regathered = workers(2).run(saved_bytes_of_jit, False), workers(2).run(saved_bytes_of_jit, True)
+    gathered = 3 * 256 * 256 * 4
+    activations = 8 * 8 * 256 * 4  # at most two 8 x 256 fp32 tensors per layer
+    for k, r in zip(kept, regathered):
+        _close(r["params"], k["params"], 1e-6)
+        assert k["saved"] >= gathered, k["saved"]
+        assert r["saved"] <= activations < k["saved"] - gathered + activations, (r["saved"], k["saved"])

@@ -14,7 +14,9 @@ of the stored leaves that ``torch.compile`` traces whole, collectives included:
   step has them.
 
 What the program gives up against the eager step: it keeps each gathered unit from its
-gather to its backward (no release and re-gather; the compiler frees what it can), there is
+gather to its backward (the compiler frees what it can), unless ``regather``: then selective
+activation checkpointing marks the all-gathers to be done again in backward and the program
+keeps only the shards, as ZeRO-3's hooks do (SimpleFSDP's policy). There is
 no coordinator (no prefetch metrics, no divergence report: every rank must trace the same
 program). A unit the loss does not use gets no gradient (``None``) and no update, as eagerly.
 Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
@@ -22,13 +24,15 @@ host copies) are not tensors of a program: such a step raises ``CompileError``.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from . import compiled, dist, layout
+from . import compiled, dist, layout, lazy
 from .grad import GradOut, grad_spec, loss_and_aux
 from .placement import gathers, grad_is_shard
 from .transform import Transform
@@ -78,8 +82,10 @@ class Views(Mapping):
 class Program:
     """The traced forward of one state layout; its backward is the compiled joint graph's."""
 
-    def __init__(self, loss_fn: Callable, has_aux: bool, params: Params, frozen: Params | None, kwargs: dict):
+    def __init__(self, loss_fn: Callable, has_aux: bool, params: Params, frozen: Params | None, kwargs: dict,
+                 regather: bool = False):
         self.loss_fn, self.has_aux = loss_fn, has_aux
+        self.regather = regather
         spec = params.spec
         group = spec.process_group
         self.w = dist.world_size(group)
@@ -95,6 +101,12 @@ class Program:
         self.compiled = torch.compile(self.forward, **kwargs)
 
     def forward(self, anchors, leaves, frozen, buffers, batch):
+        if not self.regather:
+            return self.run(anchors, leaves, frozen, buffers, batch)
+        return checkpoint(self.run, anchors, leaves, frozen, buffers, batch, use_reentrant=False,
+                          context_fn=_REGATHER)
+
+    def run(self, anchors, leaves, frozen, buffers, batch):
         tensors = {}
         for (gather, scatter, reduce_dtype, segment), anchor, leaf in zip(self.units, anchors, leaves):
             if segment.entries:
@@ -107,14 +119,30 @@ class Program:
         return loss_and_aux(self.loss_fn(Views(self.model, tensors, self.input_dtype), batch), self.has_aux)
 
 
+_GATHER_OPS = {torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.wait_tensor.default}
+
+
+def _gathers_recomputed(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective activation checkpointing's policy for ``regather``: all-gathers are done again in
+    backward, everything else is kept as the compiler prefers (SimpleFSDP's policy)."""
+    if op in _GATHER_OPS or getattr(op, "is_view", False):  # a view of a gathered unit keeps all of it
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+_REGATHER = functools.partial(create_selective_checkpoint_contexts, _gathers_recomputed)
+
+
 class Jit(Transform):
-    """Marks a step whose gradient part is one compiled program (``compile_kwargs``: torch.compile's)."""
+    """Marks a step whose gradient part is one compiled program (``compile_kwargs``: torch.compile's;
+    ``regather``: units gathered again in backward instead of kept from forward)."""
 
     family = "jit"
     shapes_state = False
 
-    def __init__(self, compile_kwargs: dict):
+    def __init__(self, compile_kwargs: dict, regather: bool = False):
         self.compile_kwargs = compile_kwargs
+        self.regather = regather
         self.programs: dict = {}  # the state layout's spec -> its Program
 
     def describe(self, inner: str) -> str:
@@ -135,12 +163,14 @@ class Jit(Transform):
             key = (params.spec, None if frozen is None else frozen.spec)
             program = self.programs.get(key)
             if program is None:
-                program = self.programs[key] = Program(loss_fn, has_aux, params, frozen, self.compile_kwargs)
+                program = self.programs[key] = Program(loss_fn, has_aux, params, frozen, self.compile_kwargs,
+                                                       self.regather)
             anchors = _anchors(params)
             leaves = params.leaves
             frozen_leaves = [] if frozen is None else list(frozen.leaves)
             loss, aux = program.compiled(anchors, list(leaves), frozen_leaves, dict(buffers or {}), batch)
-            grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
+            with lazy.resolving(_NoWeightsOutside(self.regather)):
+                grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
             home = Params(grad_spec(params.spec), grads)
             peak = sum(_full_bytes(t, g, params.spec.process_group) for t, g in zip(leaves, program.units))
             if sink is not None:  # accumulate: this micro-batch's home gradients into its sums
@@ -150,6 +180,24 @@ class Jit(Transform):
             return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale)
 
         return run
+
+
+class _NoWeightsOutside:
+    """The resolver while the program's backward runs: a weight read there comes from code that
+    recomputes outside the program (an activation checkpoint the compiler left to eager
+    autograd), where the units are not gathered."""
+
+    def __init__(self, regather: bool):
+        self.regather = regather
+
+    def resolve(self, name: str):
+        hint = ("zf.jit(..., regather=True) checkpoints the forward itself, and a checkpoint inside it "
+                "(Hugging Face's gradient_checkpointing_enable, say) " if self.regather else
+                "an activation checkpoint of the model ")
+        raise compiled.CompileError(
+            f"zf.jit: parameter {name!r} was read in backward outside the compiled program: {hint}recomputes "
+            "outside it, where zfunc holds no gathered unit. Turn that checkpointing off (the program "
+            "keeps or re-gathers what backward needs), or compile the blocks instead (zf.compile_units)")
 
 
 def _anchors(params: Params) -> list[torch.Tensor]:
