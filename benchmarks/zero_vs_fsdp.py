@@ -29,6 +29,7 @@ Compiled modes (--compile-backend, default inductor):
                  (each block compiled in place; zfunc gathers each unit outside its compiled code)
   zero3-jit      `zf.jit(zf.zero3(...), backend=...)`: forward and backward traced as one program with
                  functional collectives (needs zf.jit: without it the mode says so and the script exits)
+  zero3-jit-regather  the same with `regather=True`: each unit gathered again in backward
 A compiled mode's first step is its compile: the script reports it apart (its time, and the
 peak RSS per rank during it) from the steady state (the median timed step, and the peak RSS
 per rank over the timed steps), with each compiled mode against its own eager mode and
@@ -112,8 +113,9 @@ MODES = {  # key -> description
     "fsdp2-compile": "torch FSDP2, torch.compile per block (torchtitan: compile each block, then fully_shard per block + root)",
     "zero3-compile": "zfunc zero3, zf.compile_units(model) (each block compiled in place)",
     "zero3-jit": "zfunc zf.jit(zero3(...)): forward and backward one compiled program",
+    "zero3-jit-regather": "zfunc zf.jit(zero3(...), regather=True): the same, units gathered again in backward",
 }
-COMPILED = {"fsdp2-compile": "fsdp2", "zero3-compile": "zero3", "zero3-jit": "zero3"}  # compiled mode -> its eager mode
+COMPILED = {"fsdp2-compile": "fsdp2", "zero3-compile": "zero3", "zero3-jit": "zero3", "zero3-jit-regather": "zero3"}  # compiled mode -> its eager mode
 
 
 def mode_label(mode, precision):
@@ -304,10 +306,10 @@ def build(mode, model, args, world):
         if offload.startswith("nvme"):  # "nvme_small": sub-groups of 1e6 elements, so most stream from disk
             step = zf.offload_nvme(step, args.nvme_path, **({"sub_group_size": 10**6} if offload == "nvme_small" else {}))
         step = shard(step)
-        if mode == "zero3-jit":
+        if mode.startswith("zero3-jit"):
             if not have_jit():
-                raise SystemExit(f"mode zero3-jit: the zfunc at {os.path.dirname(zf.__file__)} has no zf.jit")
-            step = zf.jit(step, backend=args.compile_backend)
+                raise SystemExit(f"mode {mode}: the zfunc at {os.path.dirname(zf.__file__)} has no zf.jit")
+            step = zf.jit(step, backend=args.compile_backend, regather=mode.endswith("regather"))
         if mode == "zero3-compile":
             zf.compile_units(model, **compile_kw)
         state = step.init(model)
@@ -447,7 +449,7 @@ def worker(args):
         io.append([b - a for a, b in zip(io0, disk_io_bytes())])
 
     peaks["steady"] = peak_rss_bytes()  # the timed steps (after the last reset)
-    if mode == "zero3-jit":  # functional collectives inside compiled code: the wrapper saw none of them
+    if mode.startswith("zero3-jit"):  # functional collectives inside compiled code: the wrapper saw none of them
         gathered = [None] * len(gathered)
     losses = torch.tensor(losses, dtype=torch.float64)
     if not loss_is_global:
