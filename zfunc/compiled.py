@@ -113,6 +113,11 @@ def is_wrapped(model: nn.Module) -> bool:
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled code: wrapped by ``torch.compile``, or compiled in place."""
+    return is_wrapped(module) or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def compile_in_place(module: nn.Module, **compile_kwargs) -> None:
     """``module.compile(**compile_kwargs)``, for a module of torch.nn itself too (an
     ``nn.Sequential`` block): dynamo starts no frame inside torch.nn, so ``module.compile()``

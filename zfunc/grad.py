@@ -109,7 +109,7 @@ class ParamView(Mapping):
         root, sites = _sites(model, self.spec)
         handles = []
         for name, module, slots in sites:
-            if compiled.is_wrapped(module) or getattr(module, "_compiled_call_impl", None) is not None:
+            if compiled.is_compiled(module):
                 # a compiled block stays attached for the whole step: an activation checkpoint
                 # recomputing it in backward must not show dynamo the stand-ins (another graph)
                 if id(module) not in self._wrapped:
@@ -149,6 +149,7 @@ def _sites(model: nn.Module, spec: ModelSpec):
     cached = _SITES.get(model)
     if cached is None or cached[0] is not spec:
         root, sites = (), []
+        modules = compiled.modules_by_path(model)
         for unit in spec.units:
             if unit.name == "":
                 root = tuple((name, compiled.real_name(model, name)) for name in unit.located)
@@ -157,7 +158,7 @@ def _sites(model: nn.Module, spec: ModelSpec):
             for name in unit.located:
                 owner, _, attr = name.rpartition(".")
                 slots.append((name, compiled.owner(model, owner), attr))
-            sites.append((unit.name, compiled.modules_by_path(model)[unit.name], tuple(slots)))
+            sites.append((unit.name, modules[unit.name], tuple(slots)))
         cached = _SITES[model] = (spec, root, tuple(sites))
     return cached[1], cached[2]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -37,6 +37,16 @@ from .grad import GradOut, grad_spec, loss_and_aux
 from .placement import gathers, grad_is_shard
 from .transform import Transform
 from .tree import Params
+
+
+class _Layout(NamedTuple):
+    """What the program needs of one unit: whether it is gathered, whether its gradient goes
+    home as a shard, the reduction's dtype, its flat layout."""
+
+    gather: bool
+    scatter: bool
+    reduce_dtype: torch.dtype | None
+    segment: object
 
 
 class _Unit(torch.autograd.Function):
@@ -92,7 +102,7 @@ class Program:
         # functional collectives name their group; W = 1 issues none
         self.group = (group or torch.distributed.group.WORLD).group_name if self.w > 1 else ""
 
-        self.units = [(gathers(p, group), grad_is_shard(p, s), p.reduce_dtype, spec.segment(i))
+        self.units = [_Layout(gathers(p, group), grad_is_shard(p, s), p.reduce_dtype, spec.segment(i))
                       for i, (p, s) in enumerate(zip(spec.placements, spec.sharded))]
         self.frozen = None if frozen is None else [
             (gathers(p, group), frozen.spec.segment(i)) for i, p in enumerate(frozen.spec.placements)]
@@ -172,7 +182,8 @@ class Jit(Transform):
             with lazy.resolving(_NoWeightsOutside(self.regather)):
                 grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
             home = Params(grad_spec(params.spec), grads)
-            peak = sum(_full_bytes(t, g, params.spec.process_group) for t, g in zip(leaves, program.units))
+            w = dist.world_size(params.spec.process_group)  # every unit is gathered at once
+            peak = sum(t.numel() * t.element_size() * (w if u.gather else 1) for t, u in zip(leaves, program.units))
             if sink is not None:  # accumulate: this micro-batch's home gradients into its sums
                 for i, g in enumerate(grads):
                     if g is not None:
@@ -214,8 +225,3 @@ def _anchors(params: Params) -> list[torch.Tensor]:
             anchor = leaf.detach()
         out.append(anchor.requires_grad_())
     return out
-
-
-def _full_bytes(leaf: torch.Tensor, unit, group) -> int:
-    gather = unit[0]
-    return leaf.numel() * leaf.element_size() * (dist.world_size(group) if gather else 1)
