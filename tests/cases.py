@@ -154,19 +154,21 @@ def gathers_in_flight(name: str, stage: int, per_rank: int = 2) -> dict:
 
 
 def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: int = 0, clip: float | None = None,
-              skips=None, meta: bool = False) -> dict:
-    """Plain PyTorch: one process, torch.optim.AdamW with its defaults, the global batch."""
+              skips=None, meta: bool = False, device: str = "cpu") -> dict:
+    """Plain PyTorch: one process, torch.optim.AdamW with its defaults, the global batch
+    (on ``device``; the result on the CPU)."""
     model = build(name, seed, **kw)
     if meta:
         for m in model.modules():
             if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
                 seeded_init(m)
+    model.to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     losses = []
     for i in range(steps):
         if skips is not None:
             model.skip = skips[i]
-        x, y = batch(name, model, i, batch_size, seed)
+        x, y = (t.to(device) for t in batch(name, model, i, batch_size, seed))
         opt.zero_grad()
         value = loss(name, model(x), y)
         value.backward()
@@ -174,11 +176,11 @@ def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: in
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(value.item())
-    x, y = batch(name, model, steps, batch_size, seed)
+    x, y = (t.to(device) for t in batch(name, model, steps, batch_size, seed))
     with torch.no_grad():
         eval_loss = loss(name, model(x), y).item()
-    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses,
-            "eval_loss": eval_loss, "buffers": dict(model.named_buffers())}
+    return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "losses": losses,
+            "eval_loss": eval_loss, "buffers": {k: v.cpu() for k, v in model.named_buffers()}}
 
 
 def run_ddp(name: str, kw: dict, steps: int = 3, per_rank: int = 2, seed: int = 0) -> dict:
@@ -331,15 +333,18 @@ def micro_batches(b, n: int) -> list:
 def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 4, seed: int = 0,
                  precision: dict | None = None, micro: int | None = None, clip: float | None = None,
                  precision_outside: bool = False, units=None, sgd: bool = False, inject=None,
-                 offload: dict | None = None, compile: dict | None = None) -> dict:
+                 offload: dict | None = None, compile: dict | None = None, device: str = "cpu") -> dict:
     """``steps`` steps of ``zeroN([accumulate][mixed_precision](train_step))`` on this rank's
     part of each global batch (split into ``micro`` micro-batches); per-step metrics, the
     full parameters (the fp32 master under mixed precision) and memory accounting.
 
     ``inject[i]``: the ranks whose gradient gets an inf at step ``i`` (through the loss).
     ``compile``: ``{"how": "blocks" | "wrapped" | "model" | "jit", **torch.compile keywords}``
-    (``compiled`` below); ``result["graphs"]``: dynamo's unique graphs after each step."""
+    (``compiled`` below); ``result["graphs"]``: dynamo's unique graphs after each step.
+    ``device``: where the model and batches live (``"cuda"`` under a nccl group); the
+    result comes back on the CPU."""
     rank, world, model, shape_model, _ = _setup(name, kw, seed)
+    model.to(device)
     compiled_model = model if compile is None else compiled(model, compile)
     flags = torch.zeros(())
 
@@ -356,7 +361,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     history, graphs = [], []
     for i in range(steps):
         flags.fill_(float(inject is not None and rank in inject[i]))
-        b = local(batch(name, shape_model, i, per_rank * world, seed), rank, world)
+        b = tuple(t.to(device) for t in local(batch(name, shape_model, i, per_rank * world, seed), rank, world))
         before = [zf.swap.load(t).clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
         state, metrics = step(state, micro_batches(b, micro) if micro else b)
         after = [zf.swap.load(t) for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
@@ -366,7 +371,8 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     with state:  # removes swap files (offload_nvme) when done
         return {
             "graphs": graphs,
-            "params": zf.gather_params(state),
+            "devices": sorted({str(t.device) for t in state.params.leaves}),
+            "params": {k: v.cpu() for k, v in zf.gather_params(state).items()},
             "dtypes": sorted({str(t.dtype) for t in state.params.leaves}),
             "memory": zf.memory_report(state),
             "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],
@@ -413,17 +419,18 @@ class _InfInGrad(torch.autograd.Function):
 
 
 def reference_mixed(name: str, kw: dict, dtype, steps: int = 3, batch_size: int = 4, seed: int = 0,
-                    loss_scale: float = 1.0, clip: float | None = None, sgd: bool = False) -> dict:
+                    loss_scale: float = 1.0, clip: float | None = None, sgd: bool = False, device: str = "cpu") -> dict:
     """Plain PyTorch mixed precision: a module copy cast to ``dtype`` runs forward and
     backward on the global batch (loss times ``loss_scale``), and fp32 AdamW (or SGD)
-    with its defaults updates a master copy, which is cast back into the copy."""
-    master = build(name, seed, **kw)
+    with its defaults updates a master copy, which is cast back into the copy
+    (on ``device``; the result on the CPU)."""
+    master = build(name, seed, **kw).to(device)
     low = copy.deepcopy(master).to(dtype)
     params = [p for p in master.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=LR * 10) if sgd else torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
     losses = []
     for i in range(steps):
-        x, y = batch(name, master, i, batch_size, seed)
+        x, y = (t.to(device) for t in batch(name, master, i, batch_size, seed))
         low.zero_grad(set_to_none=True)
         value = loss(name, low(x.to(dtype) if x.is_floating_point() else x), y)
         (value * loss_scale).backward()
@@ -436,4 +443,4 @@ def reference_mixed(name: str, kw: dict, dtype, steps: int = 3, batch_size: int 
             for mp, lp in zip(master.parameters(), low.parameters()):
                 lp.copy_(mp)
         losses.append(value.item())
-    return {"params": {k: v.detach().clone() for k, v in master.named_parameters()}, "losses": losses}
+    return {"params": {k: v.detach().cpu().clone() for k, v in master.named_parameters()}, "losses": losses}

@@ -12,3 +12,12 @@ from workers import close_all  # noqa: E402
 def _stop_workers():
     yield
     close_all()
+
+
+def pytest_runtest_logreport(report):
+    """With ``ZFUNC_FAILURE_LOG=path``, each failure's traceback is appended to ``path`` the
+    moment it happens (the GPU check reads it even when the run is cut short)."""
+    path = os.environ.get("ZFUNC_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")

@@ -1,4 +1,5 @@
-"""The one shared helper for multi-process tests: W gloo processes on localhost.
+"""The one shared helper for multi-process tests: W gloo processes on localhost
+(or W nccl processes, one GPU each, where CUDA exists: ``workers(world, "nccl")``).
 
 Processes are started once per world size and kept for the session, so a test
 (or a hypothesis example) costs only its own work. ``group.run(fn, *args)``
@@ -18,14 +19,16 @@ import traceback
 TIMEOUT_S = 180
 
 
-def _serve(rank: int, world: int, store_path: str, inbox, outbox, env: dict) -> None:
+def _serve(rank: int, world: int, store_path: str, inbox, outbox, env: dict, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(env)  # before torch reads it (e.g. TORCH_FR_BUFFER_SIZE, read when the group is made)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world)
     while True:
         job = inbox.get()
         if job is None:
@@ -39,9 +42,10 @@ def _serve(rank: int, world: int, store_path: str, inbox, outbox, env: dict) -> 
 
 
 class WorkerGroup:
-    def __init__(self, world: int, env: dict | None = None):
+    def __init__(self, world: int, env: dict | None = None, backend: str = "gloo"):
         self.world = world
         self.env = dict(env or {})
+        self.backend = backend
         self._start()
 
     def _start(self) -> None:
@@ -51,7 +55,7 @@ class WorkerGroup:
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(self.world)]
         self.procs = [
-            ctx.Process(target=_serve, args=(r, self.world, store, self.inboxes[r], self.outbox, self.env), daemon=True)
+            ctx.Process(target=_serve, args=(r, self.world, store, self.inboxes[r], self.outbox, self.env, self.backend), daemon=True)
             for r in range(self.world)
         ]
         for p in self.procs:
@@ -93,14 +97,14 @@ class WorkerGroup:
         self._start()
 
 
-_groups: dict[int, WorkerGroup] = {}
+_groups: dict[tuple[int, str], WorkerGroup] = {}
 
 
-def workers(world: int) -> WorkerGroup:
+def workers(world: int, backend: str = "gloo") -> WorkerGroup:
     """The session's worker group of ``world`` ranks, started on first use."""
-    if world not in _groups:
-        _groups[world] = WorkerGroup(world)
-    return _groups[world]
+    if (world, backend) not in _groups:
+        _groups[world, backend] = WorkerGroup(world, backend=backend)
+    return _groups[world, backend]
 
 
 class fresh_workers:

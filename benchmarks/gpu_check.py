@@ -1,0 +1,72 @@
+"""The GPU checklist in one go: which native ops built, the CUDA tests, the suite on this
+machine's torch, and the GPU benchmarks against their peers; a short table last.
+
+    python benchmarks/gpu_check.py --out DIR                  # every section
+    python benchmarks/gpu_check.py --out DIR --only ops,cuda-tests
+
+Each section runs as a subprocess with its own time limit; its whole output goes to
+``DIR/<section>.log`` and the table to ``DIR/summary.md``. A section passes when its
+command exits 0. On a machine without CUDA the CUDA sections say so and fail.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CUDA_TESTS = ["tests/test_gpu.py", "tests/test_offload_cpu.py", "tests/test_optim.py", "tests/test_errors.py",
+              "tests/test_ops_builder.py", "tests/test_cuda_adam.py"]
+
+SECTIONS = {
+    "env": ([PY, "-c", "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.version.cuda);"
+             "print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"], 60),
+    "ops": ([PY, "-m", "zfunc.ops", "--verbose"], 400),
+    "cuda-tests": ([PY, "-m", "pytest", "-q", "-rfs", "--tb=short", "-p", "no:cacheprovider", *CUDA_TESTS], 420),
+    "adam": ([PY, "benchmarks/cuda_adam.py", "--sizes", "50M,200M"], 240),
+    "gpt-fits": ([PY, "benchmarks/gpu_gpt.py", "fits"], 420),
+    "gpt-offload": ([PY, "benchmarks/gpu_gpt.py", "offload"], 540),
+    "gpt-nvme": ([PY, "benchmarks/gpu_gpt.py", "nvme"], 540),
+    "suite": ([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short", "-n", "14", "tests"], 380),
+}
+
+
+def run(name: str, out: Path) -> tuple[str, float, str]:
+    cmd, limit = SECTIONS[name]
+    log = out / f"{name}.log"
+    start = time.monotonic()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ZFUNC_FAILURE_LOG=str(out / f"{name}.failures"))
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {limit} s"
+    took = time.monotonic() - start
+    tail = log.read_text().strip().splitlines()[-1:] or [""]
+    status = "pass" if rc == 0 else f"FAIL ({rc})"
+    print(f"== {name}: {status} in {took:.0f} s", flush=True)
+    print("\n".join(log.read_text().strip().splitlines()[-25:]), flush=True)
+    return status, took, tail[0][:100]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("gpu_check_out"))
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, in order")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = [(name, *run(name, args.out)) for name in args.only.split(",")]
+    table = ["| section | result | seconds | last line |", "| --- | --- | ---: | --- |"]
+    table += [f"| {n} | {s} | {t:.0f} | {last.replace('|', '/')} |" for n, s, t, last in rows]
+    (args.out / "summary.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

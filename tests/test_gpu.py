@@ -1,0 +1,69 @@
+"""On a GPU: every composition at W = 1, its parameters on CUDA and its collectives over nccl,
+equals the same composition on the CPU (gloo) and plain PyTorch on the GPU.
+
+Skipped without CUDA; ``benchmarks/gpu_check.py`` runs it on the GPU machine.
+"""
+import pytest
+import torch
+
+from cases import reference, reference_mixed, run_composed
+from test_precision import U, _check
+from test_zero_equivalence import assert_close_to
+from workers import workers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and nccl (the GPU machine)")
+
+FP16_SCALE = 1024.0
+COMPOSITIONS = {
+    "zero0": {"stage": 0},
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero3-clip": {"stage": 3, "clip": 0.05},
+    "zero2-accumulate": {"stage": 2, "micro": 2},
+    "zero3-accumulate": {"stage": 3, "micro": 2},
+    "zero3-bf16": {"stage": 3, "precision": {"dtype": torch.bfloat16}},
+    "zero1-fp16": {"stage": 1, "precision": {"dtype": torch.float16, "loss_scale": FP16_SCALE}},
+    "zero3-fp16": {"stage": 3, "precision": {"dtype": torch.float16, "loss_scale": FP16_SCALE}},
+    "zero3-bf16-accumulate": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2},
+    "zero2-offload_cpu": {"stage": 2, "offload": {"kind": "cpu"}},
+    "zero3-offload_cpu": {"stage": 3, "offload": {"kind": "cpu"}},
+    "zero3-bf16-offload_cpu": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "cpu"}},
+    "zero3-offload_params_cpu": {"stage": 3, "offload": {"kind": "cpu", "params": True}},
+    "zero3-bf16-offload_nvme": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "nvme"}},
+    "zero3-offload_nvme": {"stage": 3, "offload": {"kind": "nvme"}},
+}
+MODELS = {"gpt": {}, "checkpointed": {}, "external": {}, "frozen_bn": {}}
+
+
+def _run(backend: str, name: str, c: dict, tmp_path) -> dict:
+    offload = c.get("offload")
+    if offload is not None and offload["kind"] == "nvme":
+        offload = {**offload, "path": str(tmp_path / backend)}
+    device = "cuda" if backend == "nccl" else "cpu"
+    (result,) = workers(1, backend).run(run_composed, name, MODELS[name], c["stage"], 3, 4, 0, c.get("precision"),
+                                         c.get("micro"), c.get("clip"), False, None, False, None, offload, None,
+                                         device)
+    return result
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("composition", list(COMPOSITIONS))
+def test_composition_on_cuda_equals_cpu_and_pytorch(composition, name, tmp_path):
+    c = COMPOSITIONS[composition]
+    gpu = _run("nccl", name, c, tmp_path)
+    cpu = _run("gloo", name, c, tmp_path)
+    assert "cuda:0" in gpu["devices"], gpu["devices"]
+    precision = c.get("precision")
+    if precision is None:
+        expected = reference(name, MODELS[name], steps=3, batch_size=4, clip=c.get("clip"), device="cuda")
+        assert_close_to(gpu["params"], cpu["params"])
+        assert_close_to(gpu["params"], expected["params"])
+        assert [h["loss"] for h in gpu["history"]] == pytest.approx(expected["losses"], rel=1e-5)
+    else:
+        dtype = precision["dtype"]
+        init = reference(name, MODELS[name], steps=0)["params"]
+        expected = reference_mixed(name, MODELS[name], dtype, 3, 4, clip=c.get("clip"), device="cuda",
+                                   loss_scale=FP16_SCALE if dtype == torch.float16 else 1.0)
+        _check(gpu["params"], expected["params"], init, U[dtype], False)
+        _check(gpu["params"], cpu["params"], init, U[dtype], False)
