@@ -244,7 +244,8 @@ def batch(name: str, model: nn.Module, step: int, size: int, seed: int = 0):
 def loss(name: str, logits, targets):
     if name in ("gpt", "external"):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    return F.mse_loss(logits, targets)
+    # in fp32, as autocast does: torch 2.11's mse_loss backward rejects bf16 logits with fp32 targets
+    return F.mse_loss(logits.float(), targets)
 
 
 def local(b, rank: int, world: int):

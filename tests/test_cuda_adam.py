@@ -181,9 +181,14 @@ def test_low_precision_params_with_fp32_state(backend, param_dtype):
                              beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1,
                              decoupled=True)
     ulp = 2.0 ** -7 if param_dtype == torch.bfloat16 else 2.0 ** -10
-    for p, r in zip(ps, rp):
+    for p, r, p0 in zip(ps, rp, init):
         assert p.dtype == param_dtype
-        torch.testing.assert_close(p.float(), r.float(), rtol=2 * ulp, atol=1e-6)
+        # Rounded every step: where the two fp32 paths (nvcc's fused multiply-adds against
+        # torch's ops) land on either side of a rounding tie, they part by one ulp of the
+        # value at that step, which is at most |p0| + STEPS * LR, and stay apart after.
+        bound = 2 * ulp * (p0.to(dev).abs() + STEPS * LR) + 1e-6
+        err = (p.float() - r.float()).abs()
+        assert (err <= bound).all(), f"off by {err.max().item():.3g} where the bound is {bound[err.argmax()].item():.3g}"
     torch.testing.assert_close(ms, rm, rtol=1e-3, atol=1e-5)
 
 

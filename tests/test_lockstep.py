@@ -47,11 +47,12 @@ class _Logged:
 
     def __getattr__(self, name):
         f = getattr(self.real, name)
-        if name not in ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast"):
+        if name not in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                        "all_reduce", "broadcast"):
             return f
 
         def logged(*args, **kw):
-            t = args[1] if name.endswith("_single") else args[0]
+            t = args[1] if name.endswith(("_single", "_tensor")) else args[0]
             self.log.append((name, t.numel(), str(t.dtype)))
             return f(*args, **kw)
 

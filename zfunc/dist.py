@@ -30,6 +30,18 @@ _label: contextvars.ContextVar[str] = contextvars.ContextVar("zfunc_collective_l
 _watched: contextvars.ContextVar = contextvars.ContextVar("zfunc_watched_group", default=None)
 
 
+def _all_gather_single(out, inp, group=None, async_op=False):
+    """torch >= 2.13's name; torch 2.11 (the GPU machines') has only ``all_gather_into_tensor``."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter_single(out, inp, group=None, async_op=False):
+    """As above: ``reduce_scatter_tensor`` before torch 2.13."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the step's timeout (another rank is elsewhere)."""
 
@@ -92,7 +104,7 @@ def same_everywhere(values: tuple[int, ...], group=None) -> bool:
     (so it matches whatever the others passed), issued around the gate."""
     mine = torch.tensor(values, dtype=torch.int64, device=device_of(group))
     rows = torch.empty(world_size(group) * mine.numel(), dtype=torch.int64, device=mine.device)
-    _wait(dist.all_gather_single(rows, mine, group=group, async_op=True))
+    _wait(_all_gather_single(rows, mine, group=group, async_op=True))
     rows = rows.view(-1, mine.numel()).cpu()
     return bool((rows == rows[0]).all())
 
@@ -389,7 +401,7 @@ def all_gather_start(shard: torch.Tensor, group=None, out: torch.Tensor | None =
     shard = shard.contiguous()
     seq = _admit("all_gather", shard, group)
     out = buffers.take(shard.numel() * w, shard.dtype, shard.device) if out is None else out
-    return Pending(out, dist.all_gather_single(out, shard, group=group, async_op=True), keep=shard, seq=seq)
+    return Pending(out, _all_gather_single(out, shard, group=group, async_op=True), keep=shard, seq=seq)
 
 
 def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
@@ -398,7 +410,7 @@ def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
     if w == 1:
         return Pending(full)
     seq = _admit("all_gather", full, group)
-    return Pending(full, dist.all_gather_single(full, layout.shard(full, rank(group), w), group=group, async_op=True),
+    return Pending(full, _all_gather_single(full, layout.shard(full, rank(group), w), group=group, async_op=True),
                    seq=seq)
 
 
@@ -438,7 +450,7 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
 
         return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish, seq=seq)
     out = buffers.empty(shard_numel, full.dtype, full.device)
-    return Pending(out, dist.reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full,
+    return Pending(out, _reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full,
                    seq=seq).cast(out_dtype)
 
 
