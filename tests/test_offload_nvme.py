@@ -471,3 +471,95 @@ def test_optimizer_state_in_ram_with_parameters_on_disk(tmp_path):
                 assert zf.memory_report(state)["by_home"]["disk"] == zf.memory_report(state)["param_bytes"]
             out.append(zf.gather_params(state))
     zf.testing.assert_trees_all_equal(out[1], out[0])
+
+
+# ------------------------------------------------------------------ the CUDA path's order, on the CPU
+
+
+class LazyCopies(zf.swap.Device):
+    """The GPU's copies with CPU tensors: an upload's source must stay unchanged until an event
+    recorded after it is waited for (else a pinned buffer was reused under a copy in flight), and
+    a download lands only then (until then its destination holds NaN, so a read too early shows)."""
+
+    counts = {"upload": 0, "download": 0, "sync": 0}
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.copies = True
+        self.queue = []  # (serial, kind, dst, src as it was when queued, src)
+        self.serial = 0
+
+    def _land(self, upto: float) -> None:
+        """Copies queued before ``upto`` are done now; every later upload's source still unchanged."""
+        for n, kind, dst, was, src in self.queue:
+            if kind == "upload":
+                assert torch.equal(was, src), "a pinned buffer changed while its upload was in flight"
+            elif n < upto:
+                dst.copy_(was)
+        self.queue = [e for e in self.queue if e[0] >= upto]
+
+    def _queue(self, kind, dst, src):
+        self._land(-1)  # nothing lands, but nothing queued may have changed meanwhile
+        LazyCopies.counts[kind] += 1
+        self.queue.append((self.serial, kind, dst, src.clone(), src))
+        self.serial += 1
+
+    def upload(self, dst, src):
+        self._queue("upload", dst, src)
+        return dst.copy_(src)  # the device's stream runs it before any compute that reads dst
+
+    def download(self, dst, src):
+        self._queue("download", dst, src)
+        return dst.fill_(float("nan"))
+
+    def event(self):
+        mark, device = self.serial, self
+
+        class Event:
+            @staticmethod
+            def synchronize():
+                LazyCopies.counts["sync"] += 1
+                device._land(mark)
+        return Event
+
+
+def lazy_copies_run(*args) -> dict:
+    """``run_composed`` with every offload_nvme store copying through ``LazyCopies``."""
+    saved, zf.swap.device_for = zf.swap.device_for, LazyCopies
+    LazyCopies.counts.update(upload=0, download=0, sync=0)
+    try:
+        out = run_composed(*args)
+    finally:
+        zf.swap.device_for = saved
+    return out | {"copies": dict(LazyCopies.counts)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("precision,micro", [(None, None), ({"dtype": torch.bfloat16}, 2)])
+def test_device_copies_keep_their_order(precision, micro, world):
+    """The CUDA path (units uploaded from pinned buffers, gradients downloaded into them) with CPU
+    tensors standing in for the GPU, copies landing late: bit for bit the step without offload,
+    no buffer reused under a copy in flight, no host read before its copy landed; small
+    sub-groups, so the resident sub-group's buffers are uploaded and written into too."""
+    args = ("gpt", KW["gpt"], 3, 3, 2, 0, precision, micro, 0.5)
+    plain = workers(world).run(run_composed, *args)
+    lazy = workers(world).run(lazy_copies_run, *args, False, None, False, None, nvme(sub_group_size=1000))
+    for a, b in zip(plain, lazy):
+        _same(a, b)
+        assert b["copies"]["upload"] > 0 and b["copies"]["download"] > 0 and b["copies"]["sync"] > 0
+    assert _left_behind() == []
+
+
+def test_a_pool_buffer_is_read_into_again_only_after_its_upload():
+    synced = []
+
+    class Event:
+        synchronize = staticmethod(lambda: synced.append(1))
+
+    pool = zf.swap.BufferPool(1, 64)
+    buf = pool.take(16, torch.float32)
+    assert pool.give(buf, Event) and synced == []  # back in the pool, its upload maybe in flight
+    pool.take(16, torch.float32)
+    assert synced == [1]  # handed out again only once it is done
+    extra = pool.take(16, torch.float32)  # the pool is empty: one of its own, dropped when given back
+    assert pool.give(extra, Event) and synced == [1, 1]

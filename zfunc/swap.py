@@ -22,6 +22,11 @@ store then refuses every later use, saying so, rather than train on a mix. A
 failure before the update (reading parameters, writing gradients) changes
 nothing the state keeps, so the same state can step again once the cause is
 fixed. ``close()`` removes the folder; so does interpreter exit.
+
+Where compute runs on an accelerator (``Device``), a unit read into a pool buffer
+is copied to the device without blocking, and a gradient comes back through a
+pinned staging buffer: the host waits for each copy (an event) before it reads,
+writes out or reuses the host buffer.
 """
 from __future__ import annotations
 
@@ -39,6 +44,55 @@ from . import buffers, dist
 from .ops import aio
 
 ALIGN = aio.ALIGNMENT
+
+
+class _Done:
+    """The event of copies that are over when they return (the CPU's)."""
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+class Device:
+    """Where compute sees a unit read from disk, and the copies between it and host buffers.
+
+    On the CPU (gloo) compute uses the host buffers themselves (``copies`` False). On CUDA a
+    read lands in a pinned buffer and is ``upload``-ed without blocking; a gradient is
+    ``download``-ed into a pinned buffer. Both may still run when the call returns: the host
+    reads or reuses a buffer only after ``event().synchronize()`` of an event recorded after
+    the copy. Tests set ``device_for`` to a subclass that runs this order with CPU tensors."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.copies = self.device.type != "cpu"
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Queue host ``src`` into device ``dst``."""
+        return dst.copy_(src, non_blocking=True)
+
+    def download(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Queue device ``src`` into host ``dst``."""
+        return dst.copy_(src, non_blocking=True)
+
+    def event(self):
+        """Marks the copies queued so far; ``synchronize()`` returns once they are done."""
+        if self.device.type != "cuda":
+            return _Done
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``src`` (device side) in host ``dst``, landed: the host may read it now."""
+        self.download(dst, src)
+        self.event().synchronize()
+        return dst
+
+
+def device_for(device: torch.device) -> Device:
+    """The ``Device`` of a store whose compute runs on ``device`` (a seam for tests)."""
+    return Device(device)
 
 
 @dataclass
@@ -162,6 +216,7 @@ class BufferPool:
         self._ours: dict[int, torch.Tensor] = {}  # storage ptr -> raw pool buffer in use
         self._extra: set[int] = set()  # storage ptrs of overflow buffers in use
         self._alone: dict[int, int] = {}  # storage ptr -> its reference count when only the pool holds it
+        self._landing: dict[int, object] = {}  # storage ptr -> event after the last copy out of it
         self.made = 0
         self.overflow = 0
         self.in_use = 0
@@ -172,6 +227,7 @@ class BufferPool:
         if nbytes <= self.nbytes and (self._free or self.made < self.count):
             if self._free:
                 raw = self._free.pop()
+                self._landing.pop(raw.untyped_storage().data_ptr(), _Done).synchronize()  # its upload is done
             else:
                 raw = aio.aligned_empty(self.nbytes)
                 self.made += 1
@@ -187,8 +243,9 @@ class BufferPool:
         self.peak_in_use = max(self.peak_in_use, self.in_use)
         return raw[:nbytes].view(dtype)
 
-    def give(self, t: torch.Tensor) -> bool:
-        """Take back a buffer ``take`` handed out; False if it is not one of ours."""
+    def give(self, t: torch.Tensor, after=None) -> bool:
+        """Take back a buffer ``take`` handed out; False if it is not one of ours. ``after``: the event
+        of a copy out of it that may still run; the buffer is read into again only once it is done."""
         if t.device.type != "cpu":
             return False
         storage = t.untyped_storage()
@@ -200,10 +257,14 @@ class BufferPool:
             if torch._C._storage_Use_Count(storage._cdata) > self._alone[ptr] + 1:
                 self.made -= 1
                 del self._alone[ptr]
+                (after or _Done).synchronize()
             else:
                 self._free.append(raw)
+                if after is not None:
+                    self._landing[ptr] = after
         elif ptr in self._extra:
             self._extra.discard(ptr)
+            (after or _Done).synchronize()  # dropped: no copy may still read it
         else:
             return False
         self.in_use -= 1
@@ -247,7 +308,11 @@ class SwapStore:
     """One state's swap folder, its files, its I/O handles and its buffer pool."""
 
     def __init__(self, root: str, *, aio_config: dict | None, buffer_count: int, buffer_bytes: int,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, device: Device | None = None):
+        self.dev = device if device is not None else Device("cpu")
+        self.staging = [torch.empty(0, dtype=torch.uint8)] * 2  # pinned: gradients on their way to disk
+        self._turn = 0
+        self.busy: list = []  # events of uploads out of the update's staging sets (quiesce)
         self.faults = faults if faults is not None else Faults()
         self.aio_config = dict(aio_config or {})
         aio.AsyncIO.from_config(self.aio_config).close()  # bad keys fail here, before any file
@@ -342,18 +407,28 @@ class SwapStore:
 
     def read_now(self, out: torch.Tensor, file: SwapFile, offset: int = 0) -> torch.Tensor:
         self.settle()  # a resident write to this file may be in flight
+        if out.device.type != "cpu":  # e.g. an accumulator on the GPU: through host memory
+            return out.copy_(self.read_now(torch.empty(out.shape, dtype=out.dtype), file, offset))
         with self._borrowed() as h:
             self._io(f"reading '{file.path}'", lambda: (h.pread(out, file.path, offset), h.wait()))
         self.bytes_read += out.numel() * out.element_size()
         return out
 
     def read_start(self, placeholder: torch.Tensor) -> dist.Pending:
-        """Start reading a unit's parameters into a pool buffer; ``wait()`` returns the buffer."""
+        """Start reading a unit's parameters into a pool buffer; ``wait()`` returns the buffer, or where
+        compute runs on a device (``self.dev.copies``) a device tensor the buffer is uploaded into."""
         _, file, offset = locate(placeholder)
-        buf = self.pool.take(placeholder.numel(), placeholder.dtype)
+        dev = self.dev
+        out = buffers.take(placeholder.numel(), placeholder.dtype, dev.device) if dev.copies else None
         held = self.resident_buffer(file.path)
-        if held is not None and offset == 0 and held.numel() == buf.numel():
+        if held is not None and offset == 0 and held.numel() == placeholder.numel():
+            if out is not None:  # the update overwrites ``held`` only after this upload (quiesce)
+                dev.upload(out, held)
+                self.busy.append(dev.event())
+                return dist.Pending(out)
+            buf = self.pool.take(placeholder.numel(), placeholder.dtype)
             return dist.Pending(buf.copy_(held))  # the resident sub-group's values, already in RAM
+        buf = self.pool.take(placeholder.numel(), placeholder.dtype)
         h = self._handle()
         self.faults.fire("read", h)
         try:
@@ -372,14 +447,18 @@ class SwapStore:
                 raise
             finally:
                 self._idle.append(h)
+            if out is not None:  # the buffer goes back now; it is read into again once the upload is done
+                dev.upload(out, buf)
+                self.pool.give(buf, dev.event())
 
-        return dist.Pending(buf, finish=finish)
+        return dist.Pending(buf if out is None else out, finish=finish)
 
     def write(self, handle: aio.AsyncIO, data: torch.Tensor, placeholder: torch.Tensor, offset: int = 0,
               hint: str = "") -> None:
         """Queue writing ``data`` into ``placeholder``'s file at ``offset`` bytes past its own start."""
         _, file, base = locate(placeholder)
-        self._io(f"writing '{file.path}'", lambda: handle.pwrite(data.contiguous(), file.path, base + offset), hint)
+        data = data.contiguous() if data.device.type == "cpu" else data.cpu()  # .cpu() waits for the copy
+        self._io(f"writing '{file.path}'", lambda: handle.pwrite(data, file.path, base + offset), hint)
         self.bytes_written += data.numel() * data.element_size()
 
     def wait(self, handle: aio.AsyncIO, what: str, hint: str = "") -> None:
@@ -408,6 +487,12 @@ class SwapStore:
                 raise
         finally:
             self._idle.append(handle)
+
+    def quiesce(self) -> None:
+        """Wait for the uploads out of the resident staging set, before anything writes into it."""
+        for event in self.busy:
+            event.synchronize()
+        self.busy = []
 
     def drop_resident(self, *, quiet: bool = False) -> None:
         """Give up the resident sub-group (its gradients of this step go to their files first)."""
@@ -441,7 +526,8 @@ class SwapStore:
         placeholder of its swap file in the stored ``dtype``; ``take_staged`` reads it back once."""
         placeholder = self.create(unit, unit_name, "param", values.numel(), dtype, offset)
         path = locate(placeholder)[1].path + ".init"
-        self._io(f"writing '{path}'", lambda: aio.write_file_atomic(path, values.contiguous()))
+        values = values.contiguous() if values.device.type == "cpu" else values.cpu()
+        self._io(f"writing '{path}'", lambda: aio.write_file_atomic(path, values))
         self.bytes_written += values.numel() * values.element_size()
         self.staged[id(placeholder)] = (path, values.dtype)
         del values
@@ -476,9 +562,22 @@ class SwapStore:
         """Queue a unit's gradient (or its sum so far) into its file, one write in flight so memory
         stays bounded; ``stats`` (sum of squares, finite) are what the step's agreement reads."""
         self.grad_stats[id(placeholder)] = stats
+        data = self.to_host(data)
         self.wait(self.writer, "writing gradients", self.UNCHANGED)
         self.faults.fire("grad", self.writer)
         self.write(self.writer, data, placeholder, offset, self.UNCHANGED)
+
+    def to_host(self, data: torch.Tensor) -> torch.Tensor:
+        """A device-side gradient in a pinned staging buffer, landed (as it is on the CPU). Two buffers
+        take turns: the write queued from the other may still be in flight, none from this one."""
+        if not self.dev.copies:
+            return data
+        nbytes = data.numel() * data.element_size()
+        self._turn = k = 1 - self._turn
+        if self.staging[k].numel() < nbytes:
+            self.staging[k] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
+            self.staging[k] = aio.aligned_empty(_aligned(nbytes))
+        return self.dev.fetch(self.staging[k][:nbytes].view(data.dtype), data)
 
     # --------------------------------------------------------------- lifecycle
 
@@ -498,13 +597,14 @@ class SwapStore:
 
     def resident_bytes(self) -> int:
         """Bytes of the buffers this store keeps between steps: the pool and the update's arenas."""
-        return self.pool.resident_bytes() + sum(a.numel() for a in self.arenas)
+        return self.pool.resident_bytes() + sum(a.numel() for a in [*self.arenas, *self.staging])
 
     def close(self) -> None:
         """Remove the swap folder; the state that owned it can no longer be used."""
         if self.closed:
             return
         self.settle(quiet=True)
+        self.quiesce()
         self.resident = None
         self.closed = True
         for h in [self.writer, *self._idle]:
@@ -517,6 +617,7 @@ class SwapStore:
             _files.pop(pid, None)
         self._mine.clear()
         self.arenas.clear()
+        self.staging = [torch.empty(0, dtype=torch.uint8)] * 2
         _open.pop(self.key, None)
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -33,6 +33,11 @@ units in use, and the update's staging sets (at most three sub-groups of
   state is written through to the swap files each step. A write that fails
   behind the step is raised by the next use of the state.
 
+On a GPU (nccl) the disk and the optimizer stay on the host: a unit read into a pinned
+pool buffer is uploaded to the group's device and gathered there, each gradient
+comes back into a pinned buffer before it is written, and the update runs on
+host tensors (zfunc.swap's ``Device`` holds the copies and their events).
+
 Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
 (or no stage at all): zero1/2 keep full parameters on every rank. Under
@@ -140,7 +145,7 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
         t = None
         for i, leaf in enumerate(leaves):
             staged = store.take_staged(leaf) if swap.on_disk(leaf) else None
-            values = leaf if staged is None else staged
+            values = leaf.cpu() if staged is None else staged  # the state is made on the host
             one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
             nodes, treedef = _flatten(optimizer.init(one))
             if merged is None:
@@ -233,7 +238,8 @@ class _Update:
     def _compute(self, group, bufs):
         """The inner optimizer over ``group``; the other units are empty and have no gradient."""
         members = set(group)
-        p = [bufs.get(("p", None, i), self.p[i]) if i in members else _empty(self.p[i]) for i in range(len(self.p))]
+        p = [(bufs[("p", None, i)] if ("p", None, i) in bufs else self.p[i].cpu()) if i in members
+             else _empty(self.p[i]) for i in range(len(self.p))]  # a leaf on the device: a host copy
         g = [bufs.get(("g", None, i), self.g[i]) if i in members else None for i in range(len(self.g))]
         nodes = list(self.nodes)
         for k in self.pnodes:
@@ -251,7 +257,7 @@ class _Update:
             if swap.on_disk(self.p[i]):
                 self._write(handle, bufs, ("p", None, i), new_p[i], self.p[i])
             elif new_p[i] is not self.p[i]:
-                self.p[i].copy_(new_p[i])
+                self.p[i].copy_(new_p[i])  # into the device's copy: a blocking upload
             for k in self.pnodes:
                 old, new = self.nodes[k].leaves[i], new_nodes[k].leaves[i]
                 if swap.on_disk(old):
@@ -291,6 +297,7 @@ class _Update:
         one stays in its staging set, its writes still in flight when the step returns."""
         store = self.store
         store.settle()  # the last update's resident writes (long done; a failure surfaces here)
+        store.quiesce()  # uploads out of the resident set: done before anything writes into it
         groups, first, held = self._order()
         reader, writer = store._handle(), store._handle()
         new_nodes, wrote = None, False
@@ -366,7 +373,7 @@ class GradToDisk(GradOffHome):
         held = store.resident_buffer(path)
         if held is not None:  # its sub-group is resident: the update reads it from there
             store.grad_stats[id(placeholder)] = stats
-            held.copy_(data)
+            store.dev.fetch(held, data)
             store.resident_grads.add(path)
             return
         store.write_gradient(data, placeholder, stats, offset)
@@ -434,11 +441,14 @@ class OffloadNvme(Transform):
         return swap.grad_stats(g) if swap.on_disk(g) else None
 
     def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
-        """Off the disk: the leaf's values read into memory (onto ``device`` for DEVICE). Onto it: a
-        leaf goes there at init (``init_home``); one already there stays."""
-        if swap.on_disk(leaf) and to != NVME:
+        """Off the disk: the leaf's values read into host memory (onto ``device`` for DEVICE; a leaf
+        kept on the device comes to the host for CPU). Onto it: a leaf goes there at init
+        (``init_home``); one already there stays."""
+        if to == CPU:
+            return swap.load(leaf).cpu()
+        if swap.on_disk(leaf) and to == DEVICE:
             values = swap.load(leaf)
-            return values.to(device) if to == DEVICE and device is not None else values
+            return values.to(device) if device is not None else values
         if to == NVME and not swap.on_disk(leaf):
             raise NotImplementedError("offload_nvme writes a unit's leaves to their swap files at init; moving "
                                       "a leaf onto the disk later is not supported yet")
@@ -446,9 +456,6 @@ class OffloadNvme(Transform):
 
     def init_home(self, step: Step, spec, places, group) -> "_DiskHome":
         """At ``Step.init``: the state's swap folder, its free-space check and its gradient files."""
-        if dist.device_of(group).type != "cpu":
-            raise NotImplementedError("offload_nvme runs on CPU process groups (gloo) today; on CUDA use "
-                                      "offload_cpu")
         w, r = dist.world_size(group), dist.rank(group)
         accumulates = step.accumulates
         per_elem = _optimizer_bytes_per_element(step.update_part(below=self))
@@ -477,7 +484,8 @@ class OffloadNvme(Transform):
             raise ValueError(f"offload_nvme: unit {name or '<root>'!r} holds {largest} elements on this rank, more "
                              f"than buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
-                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0), faults=self.faults)
+                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0), faults=self.faults,
+                               device=swap.device_for(dist.device_of(group)))
         store.reserve(need)
         store.offsets = [s[3] for s in sizes]
         for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
