@@ -35,26 +35,36 @@ def _step(name, how, swap_dir):
     return model, shape_model, compose(how["stage"], loss_fn, offload=offload), rank, world
 
 
-def train_then_save(name: str, how: dict, steps: int, directory: str) -> dict:
+def _on(b, device: str):
+    return tuple(t.to(device) for t in b)
+
+
+def _cpu(params: dict) -> dict:
+    return {k: v.cpu() for k, v in params.items()}
+
+
+def train_then_save(name: str, how: dict, steps: int, directory: str, device: str = "cpu") -> dict:
+    """``device``: where the model and batches live (``"cuda"`` under a nccl group)."""
     model, shape_model, step, rank, world = _step(name, how, directory)
-    state = step.init(model)
+    state = step.init(model.to(device))
     for i in range(steps):
-        state, _ = step(state, local(batch(name, shape_model, i, GLOBAL_BATCH), rank, world))
+        state, _ = step(state, _on(local(batch(name, shape_model, i, GLOBAL_BATCH), rank, world), device))
     zf.checkpoint.save(state, os.path.join(directory, "ckpt"), f"step{steps}")
-    out = {"params": zf.gather_params(state)}
+    out = {"params": _cpu(zf.gather_params(state))}
     state.close()
     return out
 
 
-def load_then_train(name: str, how: dict, start: int, steps: int, directory: str, tag=None) -> dict:
+def load_then_train(name: str, how: dict, start: int, steps: int, directory: str, tag=None,
+                    device: str = "cpu") -> dict:
     model, shape_model, step, rank, world = _step(name, how, directory + f"-w{zf.dist.world_size()}")
-    state = step.init(model)
+    state = step.init(model.to(device))
     state, manifest = zf.checkpoint.load(state, os.path.join(directory, "ckpt"), tag)
-    loaded = zf.gather_params(state)
+    loaded = _cpu(zf.gather_params(state))
     for i in range(start, start + steps):
-        state, _ = step(state, local(batch(name, shape_model, i, GLOBAL_BATCH), rank, world))
-    out = {"loaded": loaded, "params": zf.gather_params(state), "count": int(state.count),
-           "manifest_world": manifest["world"]}
+        state, _ = step(state, _on(local(batch(name, shape_model, i, GLOBAL_BATCH), rank, world), device))
+    out = {"loaded": loaded, "params": _cpu(zf.gather_params(state)), "count": int(state.count),
+           "manifest_world": manifest["world"], "devices": sorted({str(t.device) for t in state.params.leaves})}
     state.close()
     return out
 

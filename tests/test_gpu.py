@@ -64,7 +64,10 @@ def test_composition_on_cuda_equals_cpu_and_pytorch(composition, name, tmp_path)
     c = COMPOSITIONS[composition]
     gpu = _run("nccl", name, c, tmp_path)
     cpu = _run("gloo", name, c, tmp_path)
-    assert "cuda:0" in gpu["devices"], gpu["devices"]
+    offload = c.get("offload") or {}
+    # swap-file placeholders on NVMe; host shards in the CPU parameter tier; else the GPU
+    home = "meta" if offload.get("kind") == "nvme" else "cpu" if offload.get("params") else "cuda:0"
+    assert gpu["devices"] == [home], gpu["devices"]
     precision = c.get("precision")
     if precision is None:
         expected = reference(name, MODELS[name], steps=3, batch_size=4, clip=c.get("clip"), device="cuda")
@@ -78,3 +81,22 @@ def test_composition_on_cuda_equals_cpu_and_pytorch(composition, name, tmp_path)
                                    loss_scale=FP16_SCALE if dtype == torch.float16 else 1.0)
         _check(gpu["params"], expected["params"], init, U[dtype], False)
         _check(gpu["params"], cpu["params"], init, U[dtype], False)
+
+
+@pytest.mark.parametrize("composition", ["zero1", "zero3"])
+def test_checkpoints_move_between_gpu_and_cpu_states_at_other_world_sizes(composition, tmp_path):
+    """Saved by two CPU ranks, loaded by one GPU rank and trained on; saved by that GPU rank,
+    loaded by three CPU ranks: each equals plain PyTorch trained without a break."""
+    from test_checkpoint import COMPOSITIONS as HOW, GLOBAL_BATCH, load_then_train, train_then_save
+
+    how = HOW[composition]
+    expected = {n: reference("gpt", {}, steps=n, batch_size=GLOBAL_BATCH)["params"] for n in (2, 5, 8)}
+    workers(2).run(train_then_save, "gpt", how, 2, str(tmp_path / "cpu"))
+    (r,) = workers(1, "nccl").run(load_then_train, "gpt", how, 2, 3, str(tmp_path / "cpu"), None, "cuda")
+    assert r["devices"] == ["cuda:0"] and r["count"] == 5
+    assert_close_to(r["params"], expected[5])
+    (saved,) = workers(1, "nccl").run(train_then_save, "gpt", how, 5, str(tmp_path / "gpu"), "cuda")
+    assert_close_to(saved["params"], expected[5])
+    for r in workers(3).run(load_then_train, "gpt", how, 5, 3, str(tmp_path / "gpu")):
+        assert r["manifest_world"] == 1 and r["count"] == 8
+        assert_close_to(r["params"], expected[8])

@@ -143,6 +143,8 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
         spec = params.spec
         for i, (leaf, sharded) in enumerate(zip(params.leaves, spec.sharded)):
             leaf = swap.load(leaf).detach()  # read in if it lives in a swap file
+            if sharded:  # a host shard (swap file, offload_cpu's master) goes where nccl gathers
+                leaf = leaf.to(dist.device_of(spec.process_group))
             full = dist.all_gather(leaf, spec.process_group) if sharded else leaf
             for name, t in spec.segment(i).unflatten(full).items():
                 out[name] = t.to(device="cpu", dtype=torch.float32, copy=True)
