@@ -314,7 +314,6 @@ def test_a_disabled_feature_section_is_accepted_and_listed(key, value):
     ({"stage": 3, "mics_shard_size": 8}, "zero_optimization.mics_shard_size"),
     ({"stage": 2, "cpu_offload": True}, "zero_optimization.cpu_offload"),
     ({"stage": 3, "cpu_offload_param": True}, "zero_optimization.cpu_offload_param"),
-    ({"stage": 3, "offload_param": {"device": "cpu"}}, "zero_optimization.offload_param.device"),
     ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer.ratio"),
 ])
 def test_zero_semantics_zfunc_lacks_are_not_supported_yet(zero, key):
@@ -382,6 +381,8 @@ def test_unknown_scheduler_names_the_nearest_and_lists_the_valid():
      ["zero_optimization.offload_param", "stage 3"]),
     (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
      ["zero_optimization.offload_param.nvme_path"]),
+    (cfg(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
+     ["zero_optimization.offload_param", "stage 3"]),
     (cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}}),
      ["zero_optimization.offload_optimizer.nvme_path"]),
     (cfg(optimizer={"type": "SGD", "params": {"nesterov": True}}), ["optimizer.params.nesterov", "momentum"]),
@@ -483,6 +484,12 @@ def test_section_defaults_are_deepspeeds():
                                                                  pipeline_write=False, fast_init=False, ratio=1.0)
     b = zc.parse(cfg(bfloat16={"enabled": True}), 1)  # the legacy name
     assert b.bf16 == zc.BF16Config(enabled=True, check_grad_overflow=True) and b.compute_dtype is torch.bfloat16
+
+
+def test_offload_param_to_cpu_is_zero_infinitys_cpu_tier():
+    c = zc.parse(cfg(zero_optimization={"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False}}), 1)
+    assert c.zero.offload_param == zc.OffloadParamConfig(device="cpu", pin_memory=False)
+    assert c.zero.offload_optimizer is None
 
 
 def test_float_counts_become_ints():

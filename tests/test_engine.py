@@ -103,6 +103,34 @@ def test_the_imperative_style_gives_the_same_steps():
             assert torch.equal(a["params"][k], b["params"][k]), k
 
 
+def composed(config: dict) -> tuple[str, str]:
+    engine = zf.initialize(build("gpt"), config, loss_fn=_gpt_loss)
+    out = engine.step_fn.composition, engine.eval_fn.composition
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("precision,imperative", [(None, False), ("bf16", True)])
+def test_offload_param_to_cpu_composes_the_cpu_tier(precision, imperative):
+    """``offload_param: {"device": "cpu"}`` is ``zero3(offload_cpu(f, params=True))``; on the CPU it
+    trains bit for bit as zero3 without it (with or without offload_optimizer)."""
+    extra = {"bf16": {"enabled": True}} if precision else {}
+    plain = _config(3, gradient_clipping=0.5, **extra)
+    plain["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # else gpt's units all stay whole
+    tier = copy.deepcopy(plain)
+    tier["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if imperative:
+        tier["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    (train, evaluate), = workers(1).run(composed, tier)
+    inner = "mixed_precision(accumulate(train_step, 2), bfloat16)" if precision else "accumulate(train_step, 2)"
+    assert train == f"zero3(offload_cpu({inner}, params=True))"
+    assert "params=True" in evaluate
+    for a, b in zip(workers(2).run(engine_run, plain, 3, imperative), workers(2).run(engine_run, tier, 3, imperative)):
+        assert a["losses"] == b["losses"]
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_engine_checkpoint_at_two_resumes_at_one_and_three(stage, tmp_path):
     """Counters, the schedule and the weights carry over; training goes on as if uninterrupted."""

@@ -6,7 +6,8 @@ decides when the first one starts and whether the last one waits)::
     on disk (offload_nvme's swap file)
       |  read into a swap-pool buffer        } issued ahead along the trace, within
       v                                      } prefetch_bucket_size and max_live_parameters
-    in RAM: this rank's shard (or the whole unit, replicated)
+    in RAM: this rank's shard (or the whole unit, replicated; offload_cpu(params=True): in
+      |  host memory, copied to the device first, even at W = 1)
       |  all-gather if sharded
       v
     gathered: the full flat buffer --> used by forward, or by backward's re-gather
@@ -17,7 +18,7 @@ decides when the first one starts and whether the last one waits)::
     given back to its pool; its gradient goes home as backward finishes with it
 
 The first step through a ``Coordinator`` records the trace: every
-materialization that gathers or reads, forward and backward re-gathers alike,
+materialization that gathers, reads or copies in, forward and backward re-gathers alike,
 as (unit, elements), and every reduction of a gradient over the ranks. Later steps follow it: at each materialization, and when a
 buffer is freed, the coordinator issues the next units' reads and all-gathers,
 up to ``prefetch_bucket_size`` elements ahead (default twice the largest unit,

@@ -49,14 +49,14 @@ class _Unit:
         self.group = group
         # a leaf in a swap file (zfunc.swap): its placeholder and store; it is read into a pool buffer
         self.store, self.stored = store, stored
-        # materializing makes a new buffer (gathered, or read in from disk)
-        self.gathers = placement.gathers(place, group) or stored is not None
+        # materializing makes a new buffer (gathered, read in from disk, or copied from host memory)
+        self.gathers = placement.gathers(place, group) or stored is not None or placement.copies_in(place)
         self.tracker = tracker
         self.uses = 0  # Materialize calls in this forward
         self.pending: dist.Pending | None = None  # a prefetched materialization
         self.full: torch.Tensor | None = None  # the full buffer of the latest Materialize
         self.full_numel = leaf.numel() * (dist.world_size(group) if placement.gathers(place, group) else 1)
-        self.device = torch.device("cpu") if leaf.is_meta else leaf.device  # where compute sees the unit
+        self.device = placement.compute_device(place, leaf, group)  # where compute sees the unit
 
     def _start(self) -> dist.Pending:
         source = self.leaf if self.stored is None else self.stored

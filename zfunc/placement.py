@@ -23,11 +23,12 @@ A unit's life::
 | opt: replicated or sharded | zero1, zero2, zero3 shard |
 | param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
-| param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update; offload_nvme: all three in swap files (parameters and optimizer state as asked) |
+| param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update (with ``params=True`` the parameter shards too); offload_nvme: all three in swap files (parameters and optimizer state as asked) |
 
 The homes are read where things move: ``param_home`` by materialization (below) and init,
 ``grad_home`` by the grad sinks (offload_cpu's ``GradToHost`` copies a gradient to the host
-only where it says CPU), ``opt_home`` by the swapped optimizer (a state tensor goes to a swap
+only where it says CPU; a unit whose parameters live on the CPU has its gradient computed
+on the device and copied home), ``opt_home`` by the swapped optimizer (a state tensor goes to a swap
 file only where it says NVME).
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from . import buffers, dist
+from . import buffers, dist, layout
 
 REPLICATED, SHARDED = "replicated", "sharded"
 ALL_REDUCE, REDUCE_SCATTER = "all_reduce", "reduce_scatter"
@@ -86,6 +87,21 @@ def gathers(place: Placement, group) -> bool:
     return place.params_sharded and dist.world_size(group) > 1
 
 
+def copies_in(place: Placement) -> bool:
+    """Whether materializing first copies a host shard to the compute device (``param_home``
+    CPU), making a new buffer even where nothing is gathered; on a CPU group the copy is a
+    plain one, so the tier's life is the same there."""
+    return place.param_home == CPU
+
+
+def compute_device(place: Placement, leaf: torch.Tensor, group) -> torch.device:
+    """Where the unit's full buffer and gradient live: the group's device for a unit copied in
+    from host memory or read from disk (a meta placeholder), else the leaf's own."""
+    if copies_in(place) or leaf.is_meta:
+        return dist.device_of(group)
+    return leaf.device
+
+
 def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callable[[], None], store=None
                       ) -> dist.Pending:
     """Start turning the stored ``leaf`` into the full flat buffer.
@@ -94,7 +110,8 @@ def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callab
     all-gather may still be filling a replicated leaf). A leaf on NVMe is
     first read from ``store`` (its ``zfunc.swap.SwapStore``; ``leaf`` is then
     the placeholder) into a pool buffer, which the all-gather, if any, gives
-    back as soon as it is done.
+    back as soon as it is done. A leaf in host memory (``param_home`` CPU) is first copied
+    to the group's device (``_copy_in``).
     """
     if place.param_home == NVME:
         read = store.read_start(leaf)
@@ -108,10 +125,23 @@ def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callab
             store.give(shard)
 
         return read.then(gather, full)
+    if copies_in(place):
+        return _copy_in(place, leaf, group, ready)
     if gathers(place, group):
         return dist.all_gather_start(leaf.detach(), group)
     ready()
     return dist.Pending(leaf.detach())
+
+
+def _copy_in(place: Placement, leaf: torch.Tensor, group, ready) -> dist.Pending:
+    """The host shard copied into its slot of a new full buffer on the compute device
+    (asynchronously from pinned memory), then gathered in place: no staging buffer."""
+    ready()
+    w = dist.world_size(group) if place.params_sharded else 1
+    full = buffers.take(leaf.numel() * w, leaf.dtype, dist.device_of(group))
+    mine = layout.shard(full, dist.rank(group), w) if w > 1 else full
+    mine.copy_(leaf.detach(), non_blocking=leaf.is_pinned())
+    return dist.all_gather_inplace_start(full, group) if w > 1 else dist.Pending(full)
 
 
 def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype: torch.dtype | None = None

@@ -101,6 +101,9 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
                        max_reuse_distance=z.stage3_max_reuse_distance)
     param_dev = z.offload_param.device if z.offload_param is not None else "none"
     opt_dev = z.offload_optimizer.device if z.offload_optimizer is not None else "none"
+    if param_dev == "cpu" and opt_dev == "nvme":
+        raise ValueError("zero_optimization.offload_param.device 'cpu' with offload_optimizer.device 'nvme' is not "
+                         "supported yet: offload both to cpu, or both to nvme")
     if param_dev == "nvme" or opt_dev == "nvme":
         if c is not None and c.deepcompile and not isinstance(base, EvalStep):
             raise ValueError("'compile.deepcompile' = true with offload to nvme is not supported yet: swap files are no "
@@ -120,6 +123,8 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
                             buffer_count=pool.buffer_count, buffer_size=pool.buffer_size,
                             sub_group_size=z.sub_group_size, aio=cfg.aio,
                             **(coordinator if z.stage == 3 else {}))
+    elif param_dev == "cpu":  # ZeRO-Infinity's CPU tier: shards on the host, so the optimizer runs there too
+        step = offload_cpu(step, params=True, pin_memory=z.offload_param.pin_memory)
     elif opt_dev == "cpu":
         step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory)
     if z.stage == 1:

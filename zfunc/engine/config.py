@@ -86,8 +86,8 @@ class BF16Config:
 
 @dataclass(frozen=True)
 class OffloadParamConfig:
-    """``zero_optimization.offload_param``; ``device`` is ``"none"`` or ``"nvme"``
-    (``"cpu"`` is not built)."""
+    """``zero_optimization.offload_param``; ``device`` is ``"none"``, ``"cpu"``
+    (``zf.offload_cpu(params=True)``) or ``"nvme"``; the buffer fields are NVMe's."""
 
     device: str = "none"
     nvme_path: str | None = None
@@ -560,7 +560,7 @@ def _zero(sec: _Section | None) -> ZeroConfig:
         ("zeropp_loco_param", _ALWAYS, "LoCo-ZeRO++"),
         ("zenflow", _ALWAYS, "ZenFlow"),
         ("cpu_offload", False, "the legacy cpu_offload flag (write offload_optimizer {\"device\": \"cpu\"})"),
-        ("cpu_offload_param", False, "parameter offload to CPU"),
+        ("cpu_offload_param", False, "the legacy cpu_offload_param flag (write offload_param {\"device\": \"cpu\"})"),
     ):
         sec.fixed(key, ok, what)
     offload_param = _offload_param(sec.sub("offload_param", auto_is_default=True), out["stage"])
@@ -580,9 +580,6 @@ def _offload_param(sec: _Section | None, stage: int) -> OffloadParamConfig | Non
     if sec is None:
         return None
     device = sec.get("device", "str", "none", choices=("none", "cpu", "nvme"))
-    if device == "cpu":
-        raise ValueError("zero_optimization.offload_param.device 'cpu': parameter offload to CPU is not "
-                         "supported yet (use 'nvme', or offload only the optimizer with offload_optimizer)")
     if device != "none" and stage != 3:
         raise ValueError(f"zero_optimization.offload_param needs stage 3 (DeepSpeed offloads parameters "
                          f"only under ZeRO-3), got zero_optimization.stage {stage}")

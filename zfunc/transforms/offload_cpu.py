@@ -14,9 +14,16 @@
   copied back into the device's buffers. Where the parameters are not on the
   CPU the state keeps a host copy of them (``HostState.params``).
 
+With ``params=True`` (ZeRO-Infinity's ``offload_param: {"device": "cpu"}``, under zero3
+only) the parameter shards live in host memory too (``Placement.param_home``): the
+optimizer updates them there in place, and materializing a unit copies its shard to the
+device, then all-gathers (zfunc.placement), so the coordinator copies ahead of use and
+releases after, as it gathers; units under zero3's persistence threshold stay on the device.
+
 On a machine without an accelerator everything already lives on the CPU:
 the copies are skipped (the same tensors are used), every other line runs
-as it does with one, and the step equals the step without offload.
+as it does with one, and the step equals the step without offload (with
+``params=True`` the shard's copy before use is a plain copy, so the tier's life runs).
 
 It offloads everything inside it, so it goes outside ``mixed_precision`` and
 inside the ZeRO stage: ``zero3(offload_cpu(mixed_precision(f)))``.
@@ -30,7 +37,7 @@ import torch
 
 from ..grad import grad_spec
 from ..optim.optimizers import Optimizer, apply_update
-from ..placement import CPU, DEVICE, Placement
+from ..placement import CPU, DEVICE, Placement, compute_device
 from ..pytree import tree_leaves, tree_map
 from .sinks import GradOffHome, with_grad_sink
 from ..step import Step, expect_step
@@ -86,35 +93,77 @@ def host_optimizer(optimizer: Optimizer, pin: bool) -> Optimizer:
         return HostState(host, tree_map(lambda t: to_host(t, pin), inner))
 
     def update(grads, opt_state, params, **kw):
+        on_device = any(g.device.type != "cpu" for g in tree_leaves(grads) if isinstance(g, torch.Tensor))
         grads = tree_map(lambda g: to_host(g, pin), grads)  # a no-op for gradients on the CPU
+        if on_device and pin:
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed before Adam reads
+        if opt_state.params is None and pin:  # host-homed parameters cast at init lost their pinning
+            params = tree_map(_pinned, params)
         host = params if opt_state.params is None else opt_state.params
         if kw.get("lowp_params") is not None:
             kw["lowp_params"] = tree_map(lambda t: to_host(t, pin), kw["lowp_params"])
         host, inner = apply_update(optimizer, grads, opt_state.inner, host, **kw)
         if opt_state.params is None:
             return host, HostState(None, inner)
-        tree_map(lambda dst, src: dst.copy_(src, non_blocking=pin), params, host)
+        tree_map(lambda dst, src: dst if dst is src else dst.copy_(src, non_blocking=pin), params, host)
         return params, HostState(host, inner)
 
     return Optimizer(init, update, fuses=True)
 
 
+def _pinned(t):
+    """A host tensor in pinned memory (a pinned copy once, then itself); others as they are."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_pinned():
+        return t
+    return t.pin_memory()
+
+
+class _HostHome:
+    """``Step.init``'s leaves of units whose parameters live on the CPU, moved there as they
+    are made (``Transform.init_home``), so the device never holds more than a unit."""
+
+    key = None  # no swap store
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+
+    def keep(self, i: int, unit, place: Placement, leaf: torch.Tensor, frozen: bool) -> torch.Tensor:
+        return to_host(leaf, self.pin) if place.param_home == CPU else leaf
+
+    def finish(self) -> None:
+        pass
+
+
 class Offload(Transform):
     family = "offload"
 
-    def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False):
+    def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False):
         self.pin_memory = pin_memory
         self.copy_grads_on_host = copy_grads_on_host
+        self.params = params
 
     @property
     def name(self) -> str:
         return "offload_cpu"
 
+    def describe(self, inner: str) -> str:
+        return f"offload_cpu({inner}{', params=True' if self.params else ''})"
+
     def check(self, inner) -> None:
         check_inside_zero(self, inner, "zeroN(offload_cpu(f))")
 
     def place(self, p: Placement, unit) -> Placement:
-        return replace(p, opt_home=CPU, grad_home=CPU)
+        return replace(p, opt_home=CPU, grad_home=CPU, param_home=CPU if self.params else p.param_home)
+
+    def init_home(self, step, spec, places, group):
+        """With ``params=True``: host-homed shards go to (pinned) host memory as they are made."""
+        if not self.params:
+            return None
+        if not any(t.family == "zero" and t.stage == 3 for t in step.transforms):
+            raise ValueError("offload_cpu(params=True) needs zero3, which shards the parameters it keeps on the "
+                             "host: write zero3(offload_cpu(f, params=True)), or offload_cpu(f) to offload the "
+                             "optimizer state only")
+        return _HostHome(self._pin)
 
     def wrap_optimizer(self, optimizer):
         return host_optimizer(optimizer, self._pin)
@@ -133,7 +182,8 @@ class Offload(Transform):
 
     def wrap_grad(self, grad_fn):
         def sink(params):
-            on_host = all(t is None or t.device.type == "cpu" or p.grad_home != CPU
+            group = params.spec.process_group  # host-homed parameters get their gradients on the device
+            on_host = all(t is None or p.grad_home != CPU or compute_device(p, t, group).type == "cpu"
                           for t, p in zip(params.leaves, params.spec.placements))
             if on_host and not self.copy_grads_on_host:  # nothing to copy: autograd hands them on
                 return None
@@ -142,8 +192,12 @@ class Offload(Transform):
         return with_grad_sink(grad_fn, sink)
 
 
-def offload_cpu(step: Step, *, pin_memory: bool = True, copy_grads_on_host: bool = False) -> Step:
+def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
+                copy_grads_on_host: bool = False) -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
+
+    ``params``: keep zero3's parameter shards in host memory too, copied to the device as
+    each unit is materialized (needs zero3: ``zero3(offload_cpu(f, params=True))``).
 
     ``pin_memory``: page-locked host buffers where CUDA exists, so the copies
     run asynchronously. Write it inside the ZeRO stage and outside
@@ -154,4 +208,4 @@ def offload_cpu(step: Step, *, pin_memory: bool = True, copy_grads_on_host: bool
     benchmark; tests on CPU-only machines turn it on to run that path).
     """
     expect_step(step, "offload_cpu")
-    return step.then(Offload(pin_memory, copy_grads_on_host))
+    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params)))

@@ -21,9 +21,10 @@ from dataclasses import replace
 from .. import dist
 from ..coordinator import Prefetch, prefetch_settings
 from ..optim.optimizers import Optimizer, apply_update
-from ..placement import DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
+from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
 from ..step import Step, expect_step, set_units
 from ..transform import Transform
+from .offload_cpu import Offload
 
 
 class Zero(Transform):
@@ -53,6 +54,12 @@ class Zero(Transform):
                     f"write zero{self.stage}(offload_nvme(f, path, params=False)) to offload gradients and "
                     "optimizer state, or zero3(offload_nvme(f, path)) to offload parameter shards too"
                 )
+            if self.stage in (1, 2) and isinstance(t, Offload) and t.params:
+                raise ValueError(
+                    f"offload_cpu(params=True) needs zero3: zero{self.stage} keeps the full parameters on the "
+                    f"device of every rank; write zero3(offload_cpu(f, params=True)), or "
+                    f"zero{self.stage}(offload_cpu(f)) to offload the optimizer state only"
+                )
 
     def place(self, p: Placement, unit) -> Placement:
         p = replace(p, opt=SHARDED)
@@ -60,8 +67,8 @@ class Zero(Transform):
             p = replace(p, grads=REDUCE_SCATTER)
         if self.stage == 3 and unit.trainable.numel + unit.frozen.numel >= self.persistence_threshold:
             p = replace(p, params=SHARDED)
-        elif self.stage == 3 and p.param_home == NVME:
-            p = replace(p, param_home=DEVICE)  # a persistent unit stays in memory, whole, on every rank
+        elif self.stage == 3 and p.param_home in (CPU, NVME):
+            p = replace(p, param_home=DEVICE)  # a persistent unit stays on the device, whole, on every rank
         return p
 
     def wrap_optimizer(self, optimizer):
@@ -105,8 +112,8 @@ def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
     ``units``: ``None`` (each child of every ``nn.ModuleList`` plus a root
     unit), a list of module names, or a predicate ``(name, module) -> bool``;
     the same as ``zf.units(step, units)``. Units with fewer than
-    ``persistence_threshold`` elements stay replicated (and in memory under
-    ``offload_nvme``).
+    ``persistence_threshold`` elements stay replicated (and on the device under
+    ``offload_nvme`` or ``offload_cpu(params=True)``).
 
     The coordinator's settings (zfunc.coordinator), in elements:
     ``prefetch_bucket_size``: how far ahead of use units are gathered, along
