@@ -16,15 +16,16 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(argv, world_size, env=None, timeout=None):
+def launch(argv, world_size, env=None, timeout=None, **popen_kw):
     """Start `python *argv` on ranks 0..W-1 and wait. If one rank fails or the timeout
-    passes, the others are killed. Returns the exit codes, rank by rank."""
+    passes, the others are killed. Returns the exit codes, rank by rank. popen_kw go to
+    subprocess.Popen (e.g. stdout=, stderr= to keep each rank's output in a file)."""
     port = free_port()
     procs = []
     for rank in range(world_size):
         rank_env = dict(os.environ, **(env or {}), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env))
+        procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, **popen_kw))
     deadline = None if timeout is None else time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         failed = any(p.poll() not in (None, 0) for p in procs)

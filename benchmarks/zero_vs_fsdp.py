@@ -255,6 +255,40 @@ def _nbytes(t):
     return t.numel() * t.element_size()
 
 
+def fsdp2_shard(model, world, bf16, device="cpu"):
+    """FSDP2 as torchtitan applies it: fully_shard per block, then the root; bf16: MixedPrecisionPolicy
+    (bf16 parameters, fp32 gradient reduction)."""
+    mesh = init_device_mesh(device, (world,))
+    mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **mp)
+    fully_shard(model, mesh=mesh, **mp)
+    return model
+
+
+def ds_config(mode, args):
+    """The DeepSpeed config dict of mode ds1/ds2/ds3, ds3_cpu, ds3_nvme."""
+    bf16 = args.precision == "bf16"
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": dict(lr=args.lr, weight_decay=args.wd, torch_adam=True, **ADAM_IMPL[args.torch_adam])},
+        "zero_optimization": {"stage": int(mode[2])},
+        "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the others do not clip
+    }
+    if mode.endswith("_cpu"):  # torch AdamW on the offloaded state (DeepSpeedCPUAdam would need its op JIT-built)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        config["zero_force_ds_cpu_optimizer"] = False
+    if mode.endswith("_nvme"):  # ZeRO-Infinity with its defaults (buffer_count 5 x buffer_size 1e8, aio)
+        nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": False}
+        config["zero_optimization"]["offload_param"] = dict(nvme)
+        config["zero_optimization"]["offload_optimizer"] = dict(nvme)
+        config["zero_force_ds_cpu_optimizer"] = False
+    if bf16:  # bf16 parameters, fp32 master weights; DeepSpeed's default reduces gradients in bf16
+        config["bf16"] = {"enabled": True}
+    return config
+
+
 def build(mode, model, args, world):
     """Returns train(x, y) -> loss tensor, one optimizer step, and whether that loss is
     already the global mean (zfunc) or this rank's own (the others)."""
@@ -279,14 +313,10 @@ def build(mode, model, args, world):
         return torch_train(ddp, torch_adamw(ddp.parameters(), args), autocast=bf16), False
     compile_kw = dict(backend=args.compile_backend, fullgraph=True)  # torchtitan's: one graph per block or an error
     if mode in ("fsdp2", "fsdp2-compile"):
-        mesh = init_device_mesh("cpu", (world,))
-        mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if bf16 else {}
         if mode == "fsdp2-compile":  # torchtitan's apply_compile, then its apply_fsdp on the wrapped blocks below
             for name, block in model.blocks.named_children():
                 model.blocks.register_module(name, torch.compile(block, **compile_kw))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, **mp)
-        fully_shard(model, mesh=mesh, **mp)
+        fsdp2_shard(model, world, bf16)
         return torch_train(model, torch_adamw(model.parameters(), args)), False
     if mode.startswith("zero"):
         def loss_fn(params, batch):
@@ -322,23 +352,7 @@ def build(mode, model, args, world):
         return train, True
     if mode.startswith("ds"):
         import deepspeed
-        config = {
-            "train_micro_batch_size_per_gpu": args.batch,
-            "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": dict(lr=args.lr, weight_decay=args.wd, torch_adam=True, **ADAM_IMPL[args.torch_adam])},
-            "zero_optimization": {"stage": int(mode[2])},
-            "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the others do not clip
-        }
-        if mode.endswith("_cpu"):  # torch AdamW on the offloaded state (DeepSpeedCPUAdam would need its op JIT-built)
-            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-            config["zero_force_ds_cpu_optimizer"] = False
-        if mode.endswith("_nvme"):  # ZeRO-Infinity with its defaults (buffer_count 5 x buffer_size 1e8, aio)
-            nvme = {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": False}
-            config["zero_optimization"]["offload_param"] = dict(nvme)
-            config["zero_optimization"]["offload_optimizer"] = dict(nvme)
-            config["zero_force_ds_cpu_optimizer"] = False
-        if bf16:  # bf16 parameters, fp32 master weights; DeepSpeed's default reduces gradients in bf16
-            config["bf16"] = {"enabled": True}
+        config = ds_config(mode, args)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
         def train(x, y):
