@@ -19,17 +19,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-CUDA_TESTS = ["tests/test_gpu.py", "tests/test_offload_cpu.py", "tests/test_optim.py", "tests/test_errors.py",
-              "tests/test_ops_builder.py", "tests/test_cuda_adam.py"]
+CUDA_TESTS = ["tests/test_gpu.py", "tests/test_offload_cpu.py", "tests/test_offload_nvme.py", "tests/test_optim.py",
+              "tests/test_errors.py", "tests/test_ops_builder.py", "tests/test_cuda_adam.py"]
 
 SECTIONS = {
     "env": ([PY, "-c", "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.version.cuda);"
              "print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"], 60),
     "ops": ([PY, "-m", "zfunc.ops", "--verbose"], 400),
-    "cuda-tests": ([PY, "-m", "pytest", "-q", "-rfs", "--tb=short", "-p", "no:cacheprovider", *CUDA_TESTS], 420),
+    "cuda-tests": ([PY, "-m", "pytest", "-q", "-rfs", "--tb=short", "-p", "no:cacheprovider", "-n", "8", *CUDA_TESTS],
+                   420),
     "adam": ([PY, "benchmarks/cuda_adam.py", "--sizes", "50M,200M"], 240),
-    "gpt-fits": ([PY, "benchmarks/gpu_gpt.py", "fits"], 420),
-    "gpt-offload": ([PY, "benchmarks/gpu_gpt.py", "offload"], 540),
+    "gpt-fits": ([PY, "benchmarks/gpu_gpt.py", "fits", "--warmup", "2", "--steps", "4"], 420),
+    "gpt-offload": ([PY, "benchmarks/gpu_gpt.py", "offload", "--accumulate", "8", "--warmup", "1", "--steps", "2"], 540),
     "gpt-nvme": ([PY, "benchmarks/gpu_gpt.py", "nvme"], 540),
     "suite": ([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short", "-n", "14", "tests"], 380),
 }
@@ -59,8 +60,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("gpu_check_out"))
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections, in order")
+    ap.add_argument("--limits", default="", help="seconds per section, e.g. cuda-tests=170,gpt-fits=120")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    for item in filter(None, args.limits.split(",")):
+        name, seconds = item.split("=")
+        SECTIONS[name] = (SECTIONS[name][0], float(seconds))
     rows = [(name, *run(name, args.out)) for name in args.only.split(",")]
     table = ["| section | result | seconds | last line |", "| --- | --- | ---: | --- |"]
     table += [f"| {n} | {s} | {t:.0f} | {last.replace('|', '/')} |" for n, s, t, last in rows]
