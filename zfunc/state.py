@@ -74,7 +74,9 @@ def memory_report(state: State) -> dict:
     host memory), ``"host"`` (other host memory, when an accelerator holds the rest),
     ``"disk"`` (swap files of ``offload_nvme``)."""
     by_home = {"device": 0, "pinned": 0, "host": 0, "disk": 0}
-    accelerated = any(t.device.type not in ("cpu", "meta") for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+    # on a GPU machine the CPU is the host even when every leaf lives there (the CPU parameter tier)
+    accelerated = torch.cuda.is_available() or any(
+        t.device.type not in ("cpu", "meta") for t in tree_leaves(state) if isinstance(t, torch.Tensor))
     for t in tree_leaves(state):
         if isinstance(t, torch.Tensor):
             if swap.on_disk(t):
