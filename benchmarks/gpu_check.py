@@ -29,8 +29,9 @@ SECTIONS = {
     "cuda-tests": ([PY, "-m", "pytest", "-q", "-rfs", "--tb=short", "-p", "no:cacheprovider", "-n", "8", *CUDA_TESTS],
                    420),
     "adam": ([PY, "benchmarks/cuda_adam.py", "--sizes", "50M,200M"], 240),
-    "gpt-fits": ([PY, "benchmarks/gpu_gpt.py", "fits", "--warmup", "2", "--steps", "4"], 420),
-    "gpt-offload": ([PY, "benchmarks/gpu_gpt.py", "offload", "--accumulate", "8", "--warmup", "1", "--steps", "2"], 540),
+    "gpt-fits": ([PY, "benchmarks/gpu_gpt.py", "fits", "--warmup", "2", "--steps", "4", "--timeout", "60"], 420),
+    "gpt-offload": ([PY, "benchmarks/gpu_gpt.py", "offload", "--accumulate", "8", "--warmup", "1", "--steps", "2",
+                     "--timeout", "75"], 540),
     "gpt-nvme": ([PY, "benchmarks/gpu_gpt.py", "nvme"], 540),
     "suite": ([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short", "-n", "14", "tests"], 380),
 }

@@ -100,3 +100,32 @@ def test_checkpoints_move_between_gpu_and_cpu_states_at_other_world_sizes(compos
     for r in workers(3).run(load_then_train, "gpt", how, 5, 3, str(tmp_path / "gpu")):
         assert r["manifest_world"] == 1 and r["count"] == 8
         assert_close_to(r["params"], expected[8])
+
+
+def cuda_adam_calls_in_two_steps() -> tuple[int, str]:
+    """Two zero3 + bf16 steps on the GPU with the CUDA Adam module spied on: how often its
+    kernel ran (-1: not built here) and, if not built, why."""
+    from zfunc.ops import builder, cuda_adam
+
+    module = cuda_adam.load()
+    if module is None:
+        return -1, next(r["reason"] for r in builder.report() if r["name"] == cuda_adam.NAME)
+    calls = []
+
+    class Spy:
+        def adam_update(self, *args, **kw):
+            calls.append(len(args[0]))
+            return module.adam_update(*args, **kw)
+
+    real, cuda_adam.load = cuda_adam.load, lambda: Spy()
+    try:
+        run_composed("gpt", {}, 3, steps=2, precision={"dtype": torch.bfloat16}, device="cuda")
+    finally:
+        cuda_adam.load = real
+    return len(calls), ""
+
+
+def test_the_update_of_gpu_states_runs_the_cuda_adam_kernel():
+    ((calls, why),) = workers(1, "nccl").run(cuda_adam_calls_in_two_steps)
+    assert calls != -1, f"the CUDA Adam kernel did not build: {why}"
+    assert calls >= 2, calls  # at least one launch per update
