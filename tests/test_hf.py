@@ -121,8 +121,10 @@ def test_transformers_model_regathered_matches_pytorch(kind):
     expected = reference(kind, 4)
     for got in workers(2).run(run_regathered, kind, False):
         assert_close_to(got["params"], expected)
+    # torch 2.11's dynamo leaves Llama's checkpoint to eager autograd too: the same clear refusal
+    program_keeps_llamas = torch.__version__ >= (2, 13)
     for got in workers(2).run(run_regathered, kind, True):
-        if kind == "llama":
+        if kind == "llama" and (program_keeps_llamas or "params" in got):
             assert_close_to(got["params"], expected)
         else:
             assert "regather=True" in got["error"] and "gradient_checkpointing_enable" in got["error"], got

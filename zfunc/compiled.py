@@ -122,12 +122,24 @@ def compile_in_place(module: nn.Module, **compile_kwargs) -> None:
     """``module.compile(**compile_kwargs)``, for a module of torch.nn itself too (an
     ``nn.Sequential`` block): dynamo starts no frame inside torch.nn, so ``module.compile()``
     compiles nothing there; it starts here and follows the call in."""
+    _compile(module, lambda run: torch.compile(run, **compile_kwargs))
+
+
+def compile_like(wrapper: nn.Module, module: nn.Module) -> None:
+    """``module`` compiled in place with the options ``torch.compile(model)`` gave ``wrapper``
+    (its dynamo context). Dynamo gives up on a model's frame that breaks inside a loop (at
+    each unit), and torch 2.11 gives up on the frames it calls with it, so zfunc compiles
+    each unit itself rather than count on dynamo reaching it."""
+    _compile(module, wrapper.dynamo_ctx)
+
+
+def _compile(module: nn.Module, optimize) -> None:
     call = module._call_impl
 
     def run(*args, **kwargs):
         return call(*args, **kwargs)
 
-    module._compiled_call_impl = torch.compile(run, **compile_kwargs)
+    module._compiled_call_impl = optimize(run)
 
 
 def eager(fn):

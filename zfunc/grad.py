@@ -109,6 +109,8 @@ class ParamView(Mapping):
         root, sites = _sites(model, self.spec)
         handles = []
         for name, module, slots in sites:
+            if compiled.is_wrapped(model) and not compiled.is_compiled(module):
+                compiled.compile_like(model, module)  # once: the unit keeps its compiled code
             if compiled.is_compiled(module):
                 # a compiled block stays attached for the whole step: an activation checkpoint
                 # recomputing it in backward must not show dynamo the stand-ins (another graph)
