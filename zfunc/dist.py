@@ -121,12 +121,15 @@ def _wait(work, seq: int | None = None) -> None:
     """Wait for ``work`` within the deadline; each slice of a long wait beats the heartbeat and
     asks the gate whether collective ``seq`` of the step can still complete (``stalled``)."""
     seconds = _timeout.get()
-    if seconds is None:
+    group = _watched.get()
+    if seconds is None or dist.get_backend(group) == "nccl":
+        # nccl: a timed wait blocks the host until the GPU is done (a sync on every gather);
+        # an untimed one only orders the streams, and nccl's watchdog (the process group's
+        # timeout) tears a stuck collective down
         work.wait()
         return
     # gloo's timed wait leaves the collective running, so it is waited for in slices with a
-    # heartbeat between; other backends (nccl tears down on a timed-out wait) wait once
-    group = _watched.get()
+    # heartbeat between; other backends wait once
     step = _slice_s(seconds) if dist.get_backend(group) == "gloo" else seconds
     end = time.monotonic() + seconds
     while True:
