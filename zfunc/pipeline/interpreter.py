@@ -278,7 +278,8 @@ class PipelineEngine(Loop):
         program = [i for i in S.gpipe(len(micro), self.grid.stages, self.grid.stage)
                    if isinstance(i, (S.LoadMicroBatch, S.RecvActivation, S.Forward, S.SendActivation))]
         losses, _, _ = self._run(program, micro, self.step_fn.begin(self.state).buffers, train=False)
-        vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], dtype=torch.float64)
+        vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], dtype=torch.float64,
+                           device=dist.device_of(None))
         dist.all_reduce_sum(vec)
         return torch.tensor(vec.item() / self.grid.replicas, dtype=torch.float32)
 

@@ -26,6 +26,7 @@ class Link:
 
     def __init__(self, peer: int, tag: int):
         self.peer, self.tag = peer, tag
+        self.device = dist.device_of()  # nccl moves GPU tensors only: shape codes and buffers too
         self.meta: list[tuple[torch.dtype, tuple]] | None = None
         self.pending: list = []  # sends in flight
         self.posted: deque = deque()  # receives in flight, oldest first
@@ -37,8 +38,9 @@ class Link:
             code = [len(tensors)]
             for t in tensors:
                 code += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-            code = torch.tensor(code, dtype=torch.int64)
-            self.pending.append(dist.send_start(torch.tensor([code.numel()], dtype=torch.int64), self.peer, self.tag))
+            code = torch.tensor(code, dtype=torch.int64, device=self.device)
+            self.pending.append(dist.send_start(torch.tensor([code.numel()], dtype=torch.int64, device=self.device),
+                                                self.peer, self.tag))
             self.pending.append(dist.send_start(code, self.peer, self.tag))
         for t in tensors:
             self.pending.append(dist.send_start(t.detach(), self.peer, self.tag))
@@ -50,14 +52,14 @@ class Link:
 
     def _post(self) -> None:
         while self.meta is not None and self.left > 0 and len(self.posted) < self.AHEAD:
-            self.posted.append([dist.recv_start(torch.empty(shape, dtype=dtype), self.peer, self.tag)
+            self.posted.append([dist.recv_start(torch.empty(shape, dtype=dtype, device=self.device), self.peer, self.tag)
                                 for dtype, shape in self.meta])
             self.left -= 1
 
     def recv(self) -> tuple:
         if self.meta is None:
-            n = dist.recv(torch.zeros(1, dtype=torch.int64), self.peer, self.tag)
-            code = dist.recv(torch.zeros(int(n), dtype=torch.int64), self.peer, self.tag).tolist()
+            n = dist.recv(torch.zeros(1, dtype=torch.int64, device=self.device), self.peer, self.tag)
+            code = dist.recv(torch.zeros(int(n), dtype=torch.int64, device=self.device), self.peer, self.tag).tolist()
             meta, k = [], 1
             for _ in range(code[0]):
                 dtype, ndim = _DTYPES[code[k]], code[k + 1]
