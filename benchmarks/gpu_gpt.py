@@ -78,7 +78,7 @@ AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params
 
 
 class NotAvailable(Exception):
-    pass
+    """A peer this machine cannot run (a missing keyword, an op DeepSpeed cannot build here)."""
 
 
 def parse_args(argv=None):

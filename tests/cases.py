@@ -168,7 +168,7 @@ def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: in
     for i in range(steps):
         if skips is not None:
             model.skip = skips[i]
-        x, y = (t.to(device) for t in batch(name, model, i, batch_size, seed))
+        x, y = batch(name, model, i, batch_size, seed, device)
         opt.zero_grad()
         value = loss(name, model(x), y)
         value.backward()
@@ -176,7 +176,7 @@ def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: in
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(value.item())
-    x, y = (t.to(device) for t in batch(name, model, steps, batch_size, seed))
+    x, y = batch(name, model, steps, batch_size, seed, device)
     with torch.no_grad():
         eval_loss = loss(name, model(x), y).item()
     return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "losses": losses,
@@ -361,7 +361,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     history, graphs = [], []
     for i in range(steps):
         flags.fill_(float(inject is not None and rank in inject[i]))
-        b = tuple(t.to(device) for t in local(batch(name, shape_model, i, per_rank * world, seed), rank, world))
+        b = local(batch(name, shape_model, i, per_rank * world, seed, device), rank, world)
         before = [zf.swap.load(t).clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
         state, metrics = step(state, micro_batches(b, micro) if micro else b)
         after = [zf.swap.load(t) for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
@@ -372,7 +372,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
         return {
             "graphs": graphs,
             "devices": sorted({str(t.device) for t in state.params.leaves}),
-            "params": {k: v.cpu() for k, v in zf.gather_params(state).items()},
+            "params": zf.gather_params(state),  # on the CPU
             "dtypes": sorted({str(t.dtype) for t in state.params.leaves}),
             "memory": zf.memory_report(state),
             "units": [(u.name, u.trainable.numel, u.trainable.padded) for u in state.params.spec.model.units],
@@ -430,7 +430,7 @@ def reference_mixed(name: str, kw: dict, dtype, steps: int = 3, batch_size: int 
     opt = torch.optim.SGD(params, lr=LR * 10) if sgd else torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
     losses = []
     for i in range(steps):
-        x, y = (t.to(device) for t in batch(name, master, i, batch_size, seed))
+        x, y = batch(name, master, i, batch_size, seed, device)
         low.zero_grad(set_to_none=True)
         value = loss(name, low(x.to(dtype) if x.is_floating_point() else x), y)
         (value * loss_scale).backward()

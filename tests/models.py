@@ -226,8 +226,13 @@ def build(name: str, seed: int = 0, **kw) -> nn.Module:
     return MODELS[name](**kw)
 
 
-def batch(name: str, model: nn.Module, step: int, size: int, seed: int = 0):
-    """The global batch of ``size`` examples for ``step``: (inputs, targets)."""
+def batch(name: str, model: nn.Module, step: int, size: int, seed: int = 0, device: str = "cpu"):
+    """The global batch of ``size`` examples for ``step``: (inputs, targets), on ``device`` (drawn on
+    the CPU, so every device sees the same numbers)."""
+    return tuple(t.to(device) for t in _draw(name, model, step, size, seed))
+
+
+def _draw(name: str, model: nn.Module, step: int, size: int, seed: int):
     g = torch.Generator().manual_seed(seed * 1000 + step)
     if name == "gpt":
         vocab, seq = model.tok.num_embeddings, model.pos.shape[0]

@@ -35,22 +35,14 @@ def _step(name, how, swap_dir):
     return model, shape_model, compose(how["stage"], loss_fn, offload=offload), rank, world
 
 
-def _on(b, device: str):
-    return tuple(t.to(device) for t in b)
-
-
-def _cpu(params: dict) -> dict:
-    return {k: v.cpu() for k, v in params.items()}
-
-
 def train_then_save(name: str, how: dict, steps: int, directory: str, device: str = "cpu") -> dict:
     """``device``: where the model and batches live (``"cuda"`` under a nccl group)."""
     model, shape_model, step, rank, world = _step(name, how, directory)
     state = step.init(model.to(device))
     for i in range(steps):
-        state, _ = step(state, _on(local(batch(name, shape_model, i, GLOBAL_BATCH), rank, world), device))
+        state, _ = step(state, local(batch(name, shape_model, i, GLOBAL_BATCH, 0, device), rank, world))
     zf.checkpoint.save(state, os.path.join(directory, "ckpt"), f"step{steps}")
-    out = {"params": _cpu(zf.gather_params(state))}
+    out = {"params": zf.gather_params(state)}
     state.close()
     return out
 
@@ -60,10 +52,10 @@ def load_then_train(name: str, how: dict, start: int, steps: int, directory: str
     model, shape_model, step, rank, world = _step(name, how, directory + f"-w{zf.dist.world_size()}")
     state = step.init(model.to(device))
     state, manifest = zf.checkpoint.load(state, os.path.join(directory, "ckpt"), tag)
-    loaded = _cpu(zf.gather_params(state))
+    loaded = zf.gather_params(state)
     for i in range(start, start + steps):
-        state, _ = step(state, _on(local(batch(name, shape_model, i, GLOBAL_BATCH), rank, world), device))
-    out = {"loaded": loaded, "params": _cpu(zf.gather_params(state)), "count": int(state.count),
+        state, _ = step(state, local(batch(name, shape_model, i, GLOBAL_BATCH, 0, device), rank, world))
+    out = {"loaded": loaded, "params": zf.gather_params(state), "count": int(state.count),
            "manifest_world": manifest["world"], "devices": sorted({str(t.device) for t in state.params.leaves})}
     state.close()
     return out

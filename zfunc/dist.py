@@ -122,7 +122,8 @@ def _wait(work, seq: int | None = None) -> None:
     asks the gate whether collective ``seq`` of the step can still complete (``stalled``)."""
     seconds = _timeout.get()
     group = _watched.get()
-    if seconds is None or dist.get_backend(group) == "nccl":
+    backend = None if seconds is None else dist.get_backend(group)
+    if seconds is None or backend == "nccl":
         # nccl: a timed wait blocks the host until the GPU is done (a sync on every gather);
         # an untimed one only orders the streams, and nccl's watchdog (the process group's
         # timeout) tears a stuck collective down
@@ -130,7 +131,7 @@ def _wait(work, seq: int | None = None) -> None:
         return
     # gloo's timed wait leaves the collective running, so it is waited for in slices with a
     # heartbeat between; other backends wait once
-    step = _slice_s(seconds) if dist.get_backend(group) == "gloo" else seconds
+    step = _slice_s(seconds) if backend == "gloo" else seconds
     end = time.monotonic() + seconds
     while True:
         left = end - time.monotonic()

@@ -90,6 +90,11 @@ class Device:
         return dst
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous in host memory, to be written to a file (``.cpu()`` waits for its copy)."""
+    return t.contiguous() if t.device.type == "cpu" else t.cpu()
+
+
 def device_for(device: torch.device) -> Device:
     """The ``Device`` of a store whose compute runs on ``device`` (a seam for tests)."""
     return Device(device)
@@ -457,7 +462,7 @@ class SwapStore:
               hint: str = "") -> None:
         """Queue writing ``data`` into ``placeholder``'s file at ``offset`` bytes past its own start."""
         _, file, base = locate(placeholder)
-        data = data.contiguous() if data.device.type == "cpu" else data.cpu()  # .cpu() waits for the copy
+        data = _host(data)
         self._io(f"writing '{file.path}'", lambda: handle.pwrite(data, file.path, base + offset), hint)
         self.bytes_written += data.numel() * data.element_size()
 
@@ -526,7 +531,7 @@ class SwapStore:
         placeholder of its swap file in the stored ``dtype``; ``take_staged`` reads it back once."""
         placeholder = self.create(unit, unit_name, "param", values.numel(), dtype, offset)
         path = locate(placeholder)[1].path + ".init"
-        values = values.contiguous() if values.device.type == "cpu" else values.cpu()
+        values = _host(values)
         self._io(f"writing '{path}'", lambda: aio.write_file_atomic(path, values))
         self.bytes_written += values.numel() * values.element_size()
         self.staged[id(placeholder)] = (path, values.dtype)

@@ -47,10 +47,14 @@ class Transform:
     unit_policy = None  # the unit policy (zf.units)
     loss_scaler = None  # fp16's LossScaler: the step scales the loss and may skip
     accumulates = False  # the gradient part sums micro-batches (in fp32)
-    keeps_params_on_disk = False  # parameter shards live in swap files
 
     def describe(self, inner: str) -> str:
         return f"{self.name}({inner})"
+
+    def params_off_device_error(self, stage: int) -> str | None:
+        """Why zero1/zero2 (``stage``), which keep the full parameters on every rank's device,
+        cannot keep them where this transform puts them, and what to write; None if they can."""
+        return None
 
     @property
     def name(self) -> str:

@@ -152,6 +152,13 @@ class Offload(Transform):
     def check(self, inner) -> None:
         check_inside_zero(self, inner, "zeroN(offload_cpu(f))")
 
+    def params_off_device_error(self, stage: int) -> str | None:
+        if not self.params:
+            return None
+        return (f"offload_cpu(params=True) needs zero3: zero{stage} keeps the full parameters on the device of "
+                f"every rank; write zero3(offload_cpu(f, params=True)), or zero{stage}(offload_cpu(f)) to "
+                "offload the optimizer state only")
+
     def place(self, p: Placement, unit) -> Placement:
         return replace(p, opt_home=CPU, grad_home=CPU, param_home=CPU if self.params else p.param_home)
 

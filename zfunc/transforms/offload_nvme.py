@@ -420,9 +420,12 @@ class OffloadNvme(Transform):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
                                                                  grad_spec(params.spec)))
 
-    @property
-    def keeps_params_on_disk(self) -> bool:
-        return self.params
+    def params_off_device_error(self, stage: int) -> str | None:
+        if not self.params:
+            return None
+        return (f"zero{stage} keeps the full parameters on every rank, so they cannot live on NVMe: "
+                f"write zero{stage}(offload_nvme(f, path, params=False)) to offload gradients and "
+                "optimizer state, or zero3(offload_nvme(f, path)) to offload parameter shards too")
 
     def check_state(self, state) -> None:
         swap.check_state(state)

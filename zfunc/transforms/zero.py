@@ -24,7 +24,6 @@ from ..optim.optimizers import Optimizer, apply_update
 from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
 from ..step import Step, expect_step, set_units
 from ..transform import Transform
-from .offload_cpu import Offload
 
 
 class Zero(Transform):
@@ -48,18 +47,9 @@ class Zero(Transform):
         for t in inner:
             if t.family == "zero":
                 raise ValueError(f"this step is already ZeRO stage {t.stage}; apply one of zero1/zero2/zero3, once")
-            if self.stage in (1, 2) and t.keeps_params_on_disk:
-                raise ValueError(
-                    f"zero{self.stage} keeps the full parameters on every rank, so they cannot live on NVMe: "
-                    f"write zero{self.stage}(offload_nvme(f, path, params=False)) to offload gradients and "
-                    "optimizer state, or zero3(offload_nvme(f, path)) to offload parameter shards too"
-                )
-            if self.stage in (1, 2) and isinstance(t, Offload) and t.params:
-                raise ValueError(
-                    f"offload_cpu(params=True) needs zero3: zero{self.stage} keeps the full parameters on the "
-                    f"device of every rank; write zero3(offload_cpu(f, params=True)), or "
-                    f"zero{self.stage}(offload_cpu(f)) to offload the optimizer state only"
-                )
+            why = t.params_off_device_error(self.stage) if self.stage in (1, 2) else None
+            if why is not None:
+                raise ValueError(why)
 
     def place(self, p: Placement, unit) -> Placement:
         p = replace(p, opt=SHARDED)
