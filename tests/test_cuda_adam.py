@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -221,20 +222,65 @@ def test_mixed_dtypes_in_one_call(backend):
             torch.testing.assert_close(lows[i].float(), p, rtol=2.0 ** -8, atol=1e-6)
 
 
-def test_bad_lists_are_clear_errors():
-    module = cuda_adam.emulated()
-    assert module is not None, _row(cuda_adam.NAME + "_emulated")["reason"]
-    p, z = torch.zeros(7), torch.zeros(7)
-    kw = dict(step=1, lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0,
-              decoupled=True, grad_scale=1.0)
-    with pytest.raises(RuntimeError, match=r"grads\[0\] has 5 elements, the param 7"):
-        module.adam_update([p], [torch.zeros(5)], [z], [z.clone()], [], **kw)
-    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] and exp_avg_sqs\[0\] must be float32"):
-        module.adam_update([p], [z], [z.double()], [z.clone()], [], **kw)
-    with pytest.raises(RuntimeError, match="low-precision copy must be bf16 or fp16"):
-        module.adam_update([p], [z], [z.clone()], [z.clone()], [torch.zeros(7)], **kw)
-    with pytest.raises(RuntimeError, match="step must be >= 1"):
-        module.adam_update([p], [z], [z.clone()], [z.clone()], [], **{**kw, "step": 0})
+BAD_LISTS = [  # (what is wrong, the message's pattern, a call's lists from params p and zeros z)
+    ("grad length", r"grads\[0\] has 5 elements, the param 7",
+     lambda p, z: ([p], [z[:5].clone()], [z.clone()], [z.clone()], None, 1)),
+    ("moment dtype", r"exp_avgs\[0\] and exp_avg_sqs\[0\] must be",
+     lambda p, z: ([p], [z], [z.long()], [z.clone()], None, 1)),
+    ("twin dtype", "low-precision copy must be bf16 or fp16",
+     lambda p, z: ([p], [z], [z.clone()], [z.clone()], [z.clone()], 1)),
+    ("step", "step must be >= 1", lambda p, z: ([p], [z], [z.clone()], [z.clone()], None, 0)),
+    ("list lengths", "1 params but 2 grads", lambda p, z: ([p], [z, z], [z.clone()], [z.clone()], None, 1)),
+]
+KW = dict(lr=LR, beta1=0.9, beta2=0.999, eps=EPS, weight_decay=0.0, decoupled=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("entry", ["adam", "cuda_adam"])
+def test_bad_lists_are_clear_errors(entry, device):
+    """Every Adam entry point names the bad entry with a ValueError on every device, before any
+    kernel runs (on the GPU machine a native op's own check crashed the test process)."""
+    update = {"adam": adam.adam_update_, "cuda_adam": cuda_adam.adam_update_}[entry]
+    for what, pattern, lists in BAD_LISTS:
+        p, z = torch.zeros(7, device=device), torch.zeros(7, device=device)
+        ps, gs, ms, vs, lows, step = lists(p, z)
+        with pytest.raises(ValueError, match=pattern):
+            update(ps, gs, ms, vs, lowp_params=lows, step=step, **KW)
+        assert torch.equal(p, torch.zeros_like(p)), what  # nothing was written
+
+
+_NATIVE_CHECKS = r"""
+import torch
+from zfunc.ops import cuda_adam
+if torch.cuda.is_available():
+    cuda_adam.load()  # both builds in one process, as on the GPU machine
+module = cuda_adam.emulated()
+p, z = torch.zeros(7), torch.zeros(7)
+kw = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, grad_scale=1.0)
+for args, extra, pattern in [
+    (([p], [torch.zeros(5)], [z], [z.clone()], []), {}, "grads[0] has 5 elements, the param 7"),
+    (([p], [z], [z.double()], [z.clone()], []), {}, "exp_avgs[0] and exp_avg_sqs[0] must be float32"),
+    (([p], [z], [z.clone()], [z.clone()], [torch.zeros(7)]), {}, "low-precision copy must be bf16 or fp16"),
+    (([p], [z], [z.clone()], [z.clone()], []), {"step": 0}, "step must be >= 1"),
+]:
+    try:
+        module.adam_update(*args, **{**kw, **extra})
+    except RuntimeError as e:
+        assert pattern in str(e), (pattern, str(e))
+    else:
+        raise AssertionError("no error: " + pattern)
+print("ok")
+"""
+
+
+def test_native_checks_raise_in_a_process_of_their_own():
+    """The kernel's own checks (its last line, behind ``check_lists``) raise RuntimeError: run
+    in a child process that also loads the real kernel where one is built, so a crash fails
+    this test, naming its signal, instead of the whole run."""
+    assert cuda_adam.emulated() is not None, _row(cuda_adam.NAME + "_emulated")["reason"]  # built here, once
+    proc = subprocess.run([sys.executable, "-c", _NATIVE_CHECKS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (
+        f"exit status {proc.returncode} (negative: killed by that signal)\n{proc.stdout}\n{proc.stderr[-3000:]}")
 
 
 @needs_cuda

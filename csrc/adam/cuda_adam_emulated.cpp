@@ -3,6 +3,13 @@
 // The kernel uses no shared memory and no synchronisation, so running its
 // threads one after another is exactly what the GPU computes (up to FMA
 // contraction). Tests use it to check the kernel on machines without a GPU.
+//
+// On a GPU machine this module and the real op load into one process. Every
+// name here lives in its own namespace and the build hides its symbols
+// (cuda_adam.emulated), so no inline function or template of the shared
+// kernel header can bind to the other module's copy.
+#define zf_cuda zf_cuda_emulated
+
 #include <cmath>
 
 #include "adam/cuda_adam_binding.h"

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from . import cpu_adam, cuda_adam
+from .adam_checks import check_lists
 from .torch_adam import torch_adam_
 
 
@@ -43,13 +44,8 @@ def adam_update_(
     Storage the CPU kernel takes in one pass: params fp32 or bf16, grads fp32,
     bf16 or fp16, exp_avg/exp_avg_sq fp32 or bf16 (math always in fp32).
     """
-    n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
-        raise ValueError(f"adam_update_: {n} params but {len(grads)} grads, {len(exp_avgs)} "
-                         f"exp_avgs and {len(exp_avg_sqs)} exp_avg_sqs")
-    if lowp_params is not None and len(lowp_params) != n:
-        raise ValueError(f"adam_update_: {n} params but {len(lowp_params)} lowp_params")
-    if n == 0:
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, lowp_params, step)
+    if not params:
         return
     args = (int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
             bool(decoupled), float(grad_scale))

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from . import builder
+from .adam_checks import LOWP_DTYPES, check_lists
 from .torch_adam import torch_adam_
 
 NAME = "cuda_adam"
@@ -25,7 +26,6 @@ SOURCES = ["adam/cuda_adam.cpp", "adam/cuda_adam.cu"]
 EMULATED_SOURCES = ["adam/cuda_adam_emulated.cpp"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def load():
@@ -36,7 +36,7 @@ def load():
 def emulated():
     """For tests: the kernel's source built for the CPU (its ``adam_update`` takes CPU
     tensors, same arguments as the CUDA op's), or None (``builder.report()`` says why)."""
-    return builder.load(NAME + "_emulated", EMULATED_SOURCES)
+    return builder.load(NAME + "_emulated", EMULATED_SOURCES, extra_cflags=["-fvisibility=hidden"])
 
 
 def available() -> bool:
@@ -49,6 +49,7 @@ def adam_update_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  weight_decay: float, decoupled: bool, grad_scale: float = 1.0,
                  lowp_params: Sequence[torch.Tensor] | None = None) -> None:
     """``zfunc.ops.adam.adam_update_`` for CUDA tensors (same contract)."""
+    check_lists(params, grads, exp_avgs, exp_avg_sqs, lowp_params, step)
     kw = dict(step=int(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
               eps=float(eps), weight_decay=float(weight_decay), decoupled=bool(decoupled),
               grad_scale=float(grad_scale))
@@ -80,4 +81,4 @@ def _fits(p, g, m, v, low) -> bool:
                 and t.numel() == p.numel() for t in ts)
             and p.dtype in _DTYPES and g.dtype in _DTYPES
             and m.dtype == torch.float32 and v.dtype == torch.float32
-            and (low is None or low.dtype in _LOWP_DTYPES))
+            and (low is None or low.dtype in LOWP_DTYPES))
