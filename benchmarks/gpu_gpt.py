@@ -169,8 +169,7 @@ def build(peer, model, a):
         aio = get_accelerator().create_op_builder("AsyncIOBuilder")
         if aio is None or not aio.is_compatible(verbose=False):
             raise NotAvailable("DeepSpeed's async_io op cannot build here (libaio headers missing?)")
-        # each parameter must fit one of the offload_param buffers (default 1e8 elements; the head has 1.03e8)
-        z["offload_param"]["buffer_size"] = max(int(1e8), max(p.numel() for p in model.parameters()))
+        z["offload_param"].update(infinity_param_buffers(model, z))
     if a.device == "cuda":
         for k in ("offload_param", "offload_optimizer"):
             if k in z:
@@ -189,6 +188,21 @@ def build(peer, model, a):
             losses.append(loss.detach())
         return torch.stack(losses).mean()
     return train
+
+
+def infinity_param_buffers(model, zero):
+    """ZeRO-Infinity's offload_param pool for ``model``: DeepSpeed swaps each parameter (not each
+    block) into a buffer of its own, so its defaults (5 buffers of 1e8 elements) stop the 1.8B GPT
+    with "Not enough buffers 0 for swapping 1" once a prefetch asks for more parameters than there
+    are buffers. Every buffer holds the largest parameter (the head, 1.03e8); there are as many as
+    a prefetch bucket and the parameters in use at once can ask for (two blocks' worth, plus the
+    embeddings and head), and prefetching is capped at one block so that count holds."""
+    threshold = zero.setdefault("stage3_param_persistence_threshold", int(1e5))
+    swapped = lambda m: [p for p in m.parameters() if p.numel() > threshold]  # noqa: E731  small ones stay on the GPU
+    block = max((swapped(b) for b in model.blocks), key=lambda ps: sum(p.numel() for p in ps))
+    zero["stage3_prefetch_bucket_size"] = sum(p.numel() for p in block)
+    return dict(buffer_size=max(int(1e8), max(p.numel() for p in model.parameters())),
+                buffer_count=2 * len(block) + 4)
 
 
 def measure(a):
@@ -263,7 +277,21 @@ def env_for(a):
     env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     if a.device == "cpu":
         env.update(DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", CUDA_VISIBLE_DEVICES="")
+    elif os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        env["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     return env
+
+
+def plain_arch_list(archs):
+    """``TORCH_CUDA_ARCH_LIST`` without the architecture-specific suffixes ("9.0a" -> "9.0"):
+    DeepSpeed's op builder reads each minor version as an integer and stops at "0a". The plain
+    target builds the same sm_90 code for what these benchmarks compile."""
+    out = []
+    for arch in archs.replace(";", " ").split():
+        ptx = arch.endswith("+PTX")
+        major, _, minor = arch.removesuffix("+PTX").partition(".")
+        out.append(f"{major}.{minor.rstrip('abcdefghijklmnopqrstuvwxyz')}" + ("+PTX" if ptx else ""))
+    return ";".join(dict.fromkeys(out))
 
 
 def end_group(pgid, since):
