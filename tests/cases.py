@@ -357,7 +357,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
                    precision_outside=precision_outside, opt=opt, offload=offload)
     if compile is not None and compile["how"] == "jit":
         step = zf.jit(step, **{k: v for k, v in compile.items() if k != "how"})
-    state = step.init(compiled_model)
+    state = step.init(compiled_model, device=None if device == "cpu" else device)  # gloo on a GPU: states there too
     history, graphs = [], []
     for i in range(steps):
         flags.fill_(float(inject is not None and rank in inject[i]))

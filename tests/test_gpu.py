@@ -134,3 +134,33 @@ def test_the_update_of_gpu_states_runs_the_cuda_adam_kernel():
     ((calls, why),) = workers(1, "nccl").run(cuda_adam_calls_in_two_steps)
     assert calls != -1, f"the CUDA Adam kernel did not build: {why}"
     assert calls >= 2, calls  # at least one launch per update
+
+
+SHARED = ["zero1", "zero2", "zero3", "zero3-bf16", "zero3-offload_cpu", "zero3-offload_nvme"]
+
+
+@pytest.mark.parametrize("composition", SHARED)
+def test_two_ranks_share_one_gpu_over_gloo(composition, tmp_path):
+    """W = 2 on the one GPU these machines have: nccl refuses two ranks on one device, so the
+    ranks talk over gloo, which carries CUDA tensors for the collectives zfunc uses; the states
+    live on the GPU, and two ranks equal the same composition on two CPU ranks (and, in fp32,
+    plain PyTorch on the global batch)."""
+    c = COMPOSITIONS[composition]
+    offload = c.get("offload")
+    runs = {}
+    for device in ("cuda", "cpu"):
+        if offload is not None and offload["kind"] == "nvme":
+            offload = {**offload, "path": str(tmp_path / device)}
+        runs[device] = workers(2).run(run_composed, "gpt", {}, c["stage"], 3, 4, 0, c.get("precision"), None, None,
+                                      False, None, False, None, offload, None, device)
+    home = "meta" if offload is not None and offload["kind"] == "nvme" else "cuda:0"
+    for gpu, cpu in zip(runs["cuda"], runs["cpu"]):
+        assert gpu["devices"] == [home], gpu["devices"]
+        if c.get("precision") is None:
+            assert_close_to(gpu["params"], cpu["params"])
+        else:
+            init = reference("gpt", {}, steps=0)["params"]
+            _check(gpu["params"], cpu["params"], init, U[c["precision"]["dtype"]], False)
+    if c.get("precision") is None:
+        expected = reference("gpt", {}, steps=3, batch_size=8, device="cuda")
+        assert_close_to(runs["cuda"][0]["params"], expected["params"])
