@@ -36,20 +36,10 @@ class Weights:
 
     def __init__(self, path, model: nn.Module, spec: ModelSpec, strict: bool = True):
         self.path = os.fspath(path)
-        files = tensors_of(self.path)
         wanted = _state_dict_shapes(model)
-        sources = {k: [(files[k], 0, files[k].numel)] for k in wanted if k in files}
         aliases = _aliases(spec)
         self.buffer_names = set(wanted) - set(spec.parameter_names)
-        missing = _missing(aliases, self.buffer_names, sources)
-        if missing or set(files) - set(wanted):  # perhaps another layout: transformers' mapping, if it has one
-            pieces = hf_keys.converted(model, {k: i.shape for k, i in files.items()}, wanted)
-            if pieces is not None:
-                sources = {k: [(files[key], first, n) for key, first, n in p] for k, p in pieces.items()}
-                missing = _missing(aliases, self.buffer_names, sources)
-        used = {info.name for pieces in sources.values() for info, _, _ in pieces}
-        unexpected = sorted(set(files) - used - hf_keys.ignored(model, files, "unexpected"))
-        missing = [k for k in missing if k not in hf_keys.ignored(model, missing, "missing")]
+        sources, missing, unexpected = _match(tensors_of(self.path), model, wanted, aliases, self.buffer_names)
         if strict and (missing or unexpected):
             raise ValueError(
                 f"weights {self.path!r} do not match the model: "
@@ -120,6 +110,23 @@ class Weights:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _match(files: dict[str, TensorInfo], model: nn.Module, wanted: dict, aliases: dict, buffer_names: set):
+    """``(sources, missing, unexpected)``: the pieces of each model key the files hold, by name or else
+    through transformers' conversion mapping (zfunc.hf_keys); the keys none of whose names they hold;
+    the file tensors no key takes. Hugging Face's ``_keys_to_ignore_on_load_*`` are neither."""
+    sources = {k: [(files[k], 0, files[k].numel)] for k in wanted if k in files}
+    missing = _missing(aliases, buffer_names, sources)
+    if missing or set(files) - set(wanted):  # perhaps another layout: transformers' mapping, if it has one
+        pieces = hf_keys.converted(model, {k: i.shape for k, i in files.items()}, wanted)
+        if pieces is not None:
+            sources = {k: [(files[key], first, n) for key, first, n in p] for k, p in pieces.items()}
+            missing = _missing(aliases, buffer_names, sources)
+    used = {info.name for pieces in sources.values() for info, _, _ in pieces}
+    unexpected = sorted(set(files) - used - hf_keys.ignored(model, files, "unexpected"))
+    missing = [k for k in missing if k not in hf_keys.ignored(model, missing, "missing")]
+    return sources, missing, unexpected
 
 
 def _state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
