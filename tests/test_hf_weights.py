@@ -5,6 +5,7 @@ Tiny Hugging Face models built from a config (no download) are written by
 built on the meta device under every composition: the loaded state equals the saved model
 bit for bit, one step equals plain PyTorch on it, and each rank reads only its shards' bytes.
 Damaged, missing and extra tensors are named."""
+import contextlib
 import json
 import os
 import shutil
@@ -113,8 +114,8 @@ def run(kind: str, path: str, how: dict, per_rank: int = 2) -> dict:
         return zf.apply(model, params, input_ids=x, labels=x).loss
 
     step = compose(how, loss_fn)
-    read = _counting_reads()
-    state = step.init(model, weights=path)
+    with counting_reads() as read:
+        state = step.init(model, weights=path)
     out = {"loaded": zf.gather_params(state), "buffers": dict(state.buffers), "read": read[0]}
     x = tokens(per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
     batch = list(x.chunk(how["accumulate"])) if how.get("accumulate") else x
@@ -124,8 +125,9 @@ def run(kind: str, path: str, how: dict, per_rank: int = 2) -> dict:
     return out
 
 
-def _counting_reads() -> list:
-    """Bytes the safetensors reader reads from here on, in ``[0]``."""
+@contextlib.contextmanager
+def counting_reads():
+    """Bytes the safetensors reader reads inside the block, in ``[0]``."""
     from zfunc.safetensors_io import Reader
 
     count = [0]
@@ -136,7 +138,10 @@ def _counting_reads() -> list:
         pread(self, info, dest, offset)
 
     Reader._pread = counted
-    return count
+    try:
+        yield count
+    finally:
+        Reader._pread = pread
 
 
 def saved_values(kind: str) -> dict:

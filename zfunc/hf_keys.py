@@ -18,6 +18,7 @@ import bisect
 import copy
 import math
 import re
+import sys
 
 import torch
 from torch import nn
@@ -28,13 +29,11 @@ Piece = tuple[str, int, int]  # (file tensor name, first element, elements), in 
 
 
 def hf_model(model: nn.Module):
-    """The ``transformers.PreTrainedModel`` at ``model``'s root (under a compiled wrapper), or None."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
+    """The ``transformers.PreTrainedModel`` at ``model``'s root (under a compiled wrapper), or None.
+    A model of that class means transformers is imported already: nothing is imported here."""
+    modeling = sys.modules.get("transformers.modeling_utils")
     root = compiled.owner(model, "")
-    return root if isinstance(root, PreTrainedModel) else None
+    return root if modeling is not None and isinstance(root, modeling.PreTrainedModel) else None
 
 
 def ignored(model: nn.Module, names, which: str) -> set[str]:
@@ -66,7 +65,8 @@ def converted(model: nn.Module, shapes: dict[str, tuple[int, ...]], wanted: dict
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     meta = {k: torch.empty(s, device="meta") for k, s in wanted.items()}  # what rename_source_key consults
     prefix = root.base_model_prefix
-    rows, first_row, row_len = {}, 0, {}  # the row numbers standing in for each file tensor
+    rows: dict[str, tuple[int, int]] = {}  # file tensor -> (its first row number, its row length)
+    first_row = 0
     direct: dict[str, list[Piece]] = {}
     fused: dict[str, object] = {}
     for key in sorted(shapes, key=dot_natural_key):
@@ -99,10 +99,9 @@ def _pieces(name: str, ids: torch.Tensor, shape: tuple[int, ...], rows: dict, ow
     expected = (*shape[:-1], 1) if shape else (1,)
     if tuple(ids.shape) != expected:
         raise ValueError(
-            f"transformers' conversion of the checkpoint into {name!r} moves elements within a row (it gives "
-            f"shape {tuple(ids.shape[:-1])} rows for the model's {tuple(shape)}), which zfunc cannot read in byte "
-            "ranges: load the model with from_pretrained and pass it built, or save it with "
-            "save_pretrained(..., save_original_format=False)")
+            f"transformers' conversion of the checkpoint into {name!r} (shape {tuple(shape)}) moves elements "
+            "within rows, which zfunc cannot read as byte ranges: build the model with from_pretrained and pass "
+            "it built, or save it with save_pretrained(..., save_original_format=False)")
     length = shape[-1] if shape else 1
     starts = [s for s, _ in owner_of_row]
     pieces: list[Piece] = []

@@ -31,7 +31,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-NAMES = {d: n for n, d in DTYPES.items()}  # torch dtype -> the header's name (for writers)
 
 
 class SafetensorsError(ValueError):
@@ -56,14 +55,10 @@ class TensorInfo(NamedTuple):
         return self.numel * self.dtype.itemsize
 
 
-def files_of(path) -> list[str]:
-    """The safetensors files of ``path``: a folder ``save_pretrained`` wrote (``model.safetensors``, or
-    ``model.safetensors.index.json`` and the shards it names), an index file, or one ``.safetensors`` file."""
-    return _locate(path)[0]
-
-
 def _locate(path) -> tuple[list[str], str | None, dict]:
-    """``(files, index file or None, its weight map)``."""
+    """``(files, index file or None, its weight map)`` of ``path``: a folder ``save_pretrained`` wrote
+    (``model.safetensors``, or ``model.safetensors.index.json`` and the shards it names), an index
+    file, or one ``.safetensors`` file."""
     path = os.fspath(path)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, INDEX)):
@@ -145,7 +140,7 @@ def _entry(path: str, name: str, entry, data_start: int, data_size: int) -> Tens
 
 
 def tensors_of(path) -> dict[str, TensorInfo]:
-    """Every tensor of the checkpoint at ``path`` (see ``files_of``), by name, every header checked; a name
+    """Every tensor of the checkpoint at ``path`` (see ``_locate``), by name, every header checked; a name
     in two files, or one the index puts in a file whose header lacks it, raises."""
     files, index, weight_map = _locate(path)
     out: dict[str, TensorInfo] = {}

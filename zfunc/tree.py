@@ -172,8 +172,8 @@ def split_by_dtype(model: nn.Module, paths: list[str]) -> list[str]:
                 owners = {name.rpartition(".")[0] for name, _ in params} if dtype != common else set()
                 if unit in owners:
                     raise ValueError(
-                        f"module {unit or '<root>'!r} owns parameters of dtypes {sorted(map(str, by_dtype))} itself, "
-                        "so they cannot be one flat buffer: cast them to one dtype (mixed precision is a "
+                        f"module {unit or '<root>'!r} mixes parameter dtypes {sorted(map(str, by_dtype))} in its own "
+                        "parameters, which cannot be one flat buffer: cast them to one dtype (mixed precision is a "
                         "transform, not a model dtype)")
                 extra |= owners
         if not extra:
