@@ -45,6 +45,7 @@ from .transform import Transform, Units
 from .traced import Jit
 from .tree import Params, ParamsSpec, build_spec
 from .unit_init import unit_buffers
+from .weights import Weights
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,22 @@ class Step:
     # ------------------------------------------------------------------ init
 
     def init(self, model: nn.Module, *, free_model: bool = True, init_fn: Callable | None = None,
-             device=None) -> State:
-        """Build the state from ``model``'s parameters and buffers.
+             device=None, weights=None, strict: bool = True) -> State:
+        """Build the state from ``model``'s parameters and buffers, or from ``weights``.
 
         A model built on the meta device is initialized one unit at a time
-        (each module's ``reset_parameters()``, or ``init_fn(module)``) on
-        ``device`` (default: the group's device), so init never holds more
-        than a unit beyond this rank's shards. Every rank starts from rank
-        0's values.
+        (each module's ``reset_parameters()``, or ``init_fn(module)``:
+        zfunc.unit_init) on ``device`` (default: the group's device), so init
+        never holds more than a unit beyond this rank's shards. Every rank
+        starts from rank 0's values.
+
+        ``weights``: a safetensors checkpoint (the folder ``save_pretrained``
+        wrote, its index, or one ``.safetensors`` file) holding the model's
+        ``state_dict``: each rank reads its own part of each unit from the
+        files, cast to the model's dtype (zfunc.weights); the model may be
+        built on the meta device. Keys the files lack or hold beyond the model
+        raise, unless ``strict=False`` (the missing ones are then initialized as
+        without weights).
 
         With ``free_model`` (the default) the model's parameters are replaced
         by stand-ins that hold no storage: the state owns the weights now;
@@ -186,14 +195,24 @@ class Step:
         device = dist.device_of(group) if device is None else torch.device(device)
         # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made
         home = next((h for t in self.transforms if (h := t.init_home(self, spec, places, group)) is not None), None)
+
+        def part(i, segment):  # this rank's elements of a unit's flat buffer
+            n = layout.home_numel(segment.padded, w, places[i].params_sharded)
+            start = layout.shard_start(r, n) if places[i].params_sharded else 0
+            return start, start + n
+
         trainable, frozen = [], []
-        for i, *flats in unit_buffers(model, spec, device, init_fn):
-            for flat, out in zip(flats, (trainable, frozen)):
-                dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
-                leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
-                if home is not None:
-                    leaf = home.keep(i, spec.units[i], places[i], leaf, frozen=out is frozen)
-                out.append(leaf)
+        with contextlib.ExitStack() as files:
+            read = None if weights is None else files.enter_context(Weights(weights, model, spec, strict))
+            for i, *flats, whole in unit_buffers(model, spec, device, init_fn, read, part):
+                for flat, out in zip(flats, (trainable, frozen)):
+                    leaf = flat  # read from the files: this rank's part already
+                    if whole:
+                        dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
+                        leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
+                    if home is not None:
+                        leaf = home.keep(i, spec.units[i], places[i], leaf, frozen=out is frozen)
+                    out.append(leaf)
         sharded = tuple(p.params_sharded for p in places)
         key = dist.group_key(group)
         swap_key = None if home is None else home.key

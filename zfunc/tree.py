@@ -151,13 +151,38 @@ def _location(param_name: str, unit_paths: Sequence[str]) -> int:
     return best
 
 
-def _segment(params: list[tuple[str, torch.Tensor]], world: int, unit_name: str) -> Segment:
+def split_by_dtype(model: nn.Module, paths: list[str]) -> list[str]:
+    """``paths`` and, where a unit would mix parameter dtypes (fp32 norms in a bf16 model), the modules
+    that own its parameters of other dtypes than its most common one, each a unit of its own (nested
+    in it, as a ``ModuleList`` inside a unit is), so every unit is one flat buffer of one dtype."""
+    order = {name: k for k, name in enumerate(compiled.modules_by_path(model))}
+    while True:
+        groups: dict[tuple[int, bool], dict[torch.dtype, list[tuple[str, int]]]] = {}
+        seen: set[int] = set()
+        for name, p in compiled.named_parameters(model, remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                group = groups.setdefault((_location(name, paths), p.requires_grad), {})
+                group.setdefault(p.dtype, []).append((name, p.numel()))
+        extra = set()
+        for (where, _), by_dtype in groups.items():
+            common = max(by_dtype, key=lambda d: sum(n for _, n in by_dtype[d]))
+            unit = ([""] + list(paths))[where]
+            for dtype, params in by_dtype.items():
+                owners = {name.rpartition(".")[0] for name, _ in params} if dtype != common else set()
+                if unit in owners:
+                    raise ValueError(
+                        f"module {unit or '<root>'!r} mixes parameter dtypes {sorted(map(str, by_dtype))} in its own "
+                        "parameters, which cannot be one flat buffer: cast them to one dtype (mixed precision is a "
+                        "transform, not a model dtype)")
+                extra |= owners
+        if not extra:
+            return list(paths)
+        paths = sorted(set(paths) | extra, key=order.__getitem__)
+
+
+def _segment(params: list[tuple[str, torch.Tensor]], world: int) -> Segment:
     dtypes = {p.dtype for _, p in params}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"unit {unit_name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-            "cast the model to one dtype first (mixed precision is a transform, not a model dtype)"
-        )
     dtype = dtypes.pop() if dtypes else torch.float32
     entries, offset = [], 0
     for name, p in params:
@@ -174,7 +199,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
                 f"parameter {name!r} is held by a zfunc State: this model's storage was already taken "
                 "by Step.init. Build a fresh model, or load weights with zf.gather_params."
             )
-    paths = unit_modules(model, units)
+    paths = split_by_dtype(model, unit_modules(model, units))
     first_name: dict[int, str] = {}
     canonical: dict[str, str] = {}
     located: list[list[str]] = [[] for _ in range(len(paths) + 1)]
@@ -195,7 +220,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
             owner_of_first[n] = (len(built), p.requires_grad)
         if members[i] or located[i]:
             built.append(
-                Unit(path, _segment(trainable, world, path), _segment(frozen, world, path), tuple(located[i]))
+                Unit(path, _segment(trainable, world), _segment(frozen, world), tuple(located[i]))
             )
     owner = tuple(
         (name, owner_of_first[canonical.get(name, name)])

@@ -256,7 +256,8 @@ class _Window:
 class Engine(Loop):
     """Owns the model's state and the composed step; see the module docstring."""
 
-    def __init__(self, model: nn.Module, cfg, *, loss_fn=None, optimizer=None, lr_scheduler=None):
+    def __init__(self, model: nn.Module, cfg, *, loss_fn=None, optimizer=None, lr_scheduler=None, weights=None,
+                 strict: bool = True):
         self.config = cfg
         self.model = model
         self.group = None
@@ -278,7 +279,7 @@ class Engine(Loop):
             self._compiled = kw
         self._forward_fn = model_forward(model, loss_fn)
         self._loss_fn = loss_fn
-        self.state = self.step_fn.init(model)
+        self.state = self.step_fn.init(model, weights=weights, strict=strict)  # weights: zfunc.weights
         self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
         self._window: _Window | None = None  # the imperative style's step in progress
