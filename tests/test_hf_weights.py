@@ -119,7 +119,7 @@ def run(kind: str, path: str, how: dict, per_rank: int = 2) -> dict:
     out = {"loaded": zf.gather_params(state), "buffers": dict(state.buffers), "read": read[0]}
     x = tokens(per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
     batch = list(x.chunk(how["accumulate"])) if how.get("accumulate") else x
-    state, metrics = step(state, batch)
+    state, _ = step(state, batch)
     out["stepped"] = zf.gather_params(state)
     state.close()
     return out
