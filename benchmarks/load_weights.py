@@ -1,7 +1,7 @@
 """Peak host memory of reading pretrained weights into an NVMe-offloaded state, three ways.
 
-    python benchmarks/load_weights.py                        # a ~34M-parameter Llama
-    python benchmarks/load_weights.py --layers 24 --width 1024 --vocab 32000   # ~330M
+    python benchmarks/load_weights.py                        # a 31.6M-parameter Llama
+    python benchmarks/load_weights.py --layers 24 --width 1024 --vocab 32000   # 315.9M
 
 A Llama of the given size (random weights, one ``model.safetensors``, tied embeddings) is
 read into ``zero3(offload_nvme(train_step(adamw)))`` at W = 1, each way in a fresh process,
