@@ -92,34 +92,21 @@ def safetensors_from_saved(saved, path: str, dtype: torch.dtype) -> str:
     return path
 
 
-def _plan(segments, buffers, dtype) -> tuple[list[Planned], int]:
+def _plan(segments, buffers, dtype) -> tuple[list[Planned], Counter]:
     """Every tensor to write, in the order they come (unit by unit, each unit's trainable then frozen
-    parameters, then the buffers), and how many parameter elements they hold.
+    parameters, then the buffers), and how many parameter elements are written in each dtype.
 
     ``segments``: ``[([(name, shape)], the model's dtype)]``; ``buffers``: ``[(name, shape, dtype)]``."""
-    plan, parameters = [], 0
+    plan, parameters = [], Counter()
     for entries, model_dtype in segments:
         for name, shape in entries:
             t = Planned(name, tuple(shape), model_dtype if dtype is None or not model_dtype.is_floating_point
                         else dtype)
             plan.append(t)
-            parameters += math.prod(t.shape)
+            parameters[t.dtype] += math.prod(t.shape)
     for name, shape, b_dtype in buffers:
         plan.append(Planned(name, shape, dtype if dtype is not None and b_dtype.is_floating_point else b_dtype))
     return plan, parameters
-
-
-def _weights_dtype(plan: list[Planned], parameters: int) -> torch.dtype:
-    """The dtype most parameter elements are written in: config.json's ``dtype``."""
-    counts = Counter()
-    left = parameters
-    for t in plan:
-        if left <= 0:
-            break
-        n = math.prod(t.shape)
-        counts[t.dtype] += n
-        left -= n
-    return counts.most_common(1)[0][0] if counts else torch.float32
 
 
 def _from_saved(saved, dtype):
@@ -137,7 +124,8 @@ def _from_saved(saved, dtype):
     buffers = []
     for role, lay in layouts.items():
         name = role[len("buffers['"): -len("']")]
-        if role.startswith("buffers['") and lay == "tensor" and name not in transient and (keys is None or name in keys):
+        kept = name not in transient and (keys is None or name in keys)
+        if role.startswith("buffers['") and lay == "tensor" and kept:
             entry = saved.files[0].entry(role)
             buffers.append((role, name, tuple(entry["shape"]), dtype_of(entry["dtype"])))
     plan, parameters = _plan(segments, [b[1:] for b in buffers], dtype)
@@ -160,7 +148,7 @@ def _from_saved(saved, dtype):
     return plan, parameters, values()
 
 
-def _write(directory: str, plan: list[Planned], parameters: int, max_shard_size, config, values, group, *,
+def _write(directory: str, plan: list[Planned], parameters: Counter, max_shard_size, config, values, group, *,
            collective: bool) -> str:
     """Write the folder from ``values``, in this process alone, or (``collective``) while every rank of
     ``group`` runs through ``values`` (their gathers are collectives) and rank 0 writes: an error on
@@ -169,8 +157,10 @@ def _write(directory: str, plan: list[Planned], parameters: int, max_shard_size,
     if not collective or dist.rank(group) == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            cfg, files = (None, {}) if config is None else config_dict(config, _weights_dtype(plan, parameters))
-            folder = ModelFolder(directory, plan, max_shard_size=max_shard_size, parameters=parameters,
+            # config.json's dtype: the one most parameters are written in (from_pretrained loads in it)
+            weights_dtype = parameters.most_common(1)[0][0] if parameters else torch.float32
+            cfg, files = (None, {}) if config is None else config_dict(config, weights_dtype)
+            folder = ModelFolder(directory, plan, max_shard_size=max_shard_size, parameters=sum(parameters.values()),
                                  config=cfg, config_files=files)
             error = free_space_error(directory, folder.total_bytes, "a Hugging Face model")
         except Exception as e:

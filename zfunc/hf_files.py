@@ -92,7 +92,9 @@ def split(tensors: list[Planned], max_bytes: int) -> list[list[Planned]]:
             current, size = [], 0
         current.append(t)
         size += t.nbytes
-    return shards + [current] if current or not shards else shards
+    if current or not shards:  # the last one (no tensors at all: one empty file)
+        shards.append(current)
+    return shards
 
 
 class SafetensorsFile:
@@ -108,7 +110,8 @@ class SafetensorsFile:
         ordered = sorted(tensors, key=lambda t: (-_RANK[t.dtype], t.name))
         header, offset, self.at = {"__metadata__": {"format": "pt"}}, 0, {}
         for t in ordered:
-            header[t.name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            header[t.name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
             self.at[t.name] = (t, offset)
             offset += t.nbytes
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
@@ -117,8 +120,12 @@ class SafetensorsFile:
         self.at = {n: (t, start + o) for n, (t, o) in self.at.items()}
         self.left = set(self.at)
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _pwrite(self.fd, len(text).to_bytes(8, "little") + text, 0)
-        os.ftruncate(self.fd, start + offset)
+        try:
+            _pwrite(self.fd, len(text).to_bytes(8, "little") + text, 0)
+            os.ftruncate(self.fd, start + offset)
+        except BaseException:
+            self.abort()
+            raise
 
     def put(self, name: str, value: torch.Tensor) -> None:
         t, offset = self.at[name]
@@ -169,7 +176,7 @@ class ModelFolder:
         self.index = {"metadata": {"total_parameters": parameters, "total_size": self.total_bytes},
                       "weight_map": {t.name: n for n, shard in zip(names, shards) for t in shard}}
         self.config, self.config_files = config, dict(config_files or {})
-        self.shards = [(n, shard) for n, shard in zip(names, shards)]
+        self.shards = dict(zip(names, shards))
         self.files: dict[str, SafetensorsFile] = {}  # open ones, by shard name
         self.done: list[SafetensorsFile] = []
 
@@ -178,7 +185,7 @@ class ModelFolder:
         f = self.files.get(shard_name)
         if f is None:
             f = self.files[shard_name] = SafetensorsFile(os.path.join(self.directory, shard_name),
-                                                         dict(self.shards)[shard_name])
+                                                         self.shards[shard_name])
         f.put(name, value)
         if not f.left:  # complete: its file handle goes
             f.seal()
@@ -188,13 +195,13 @@ class ModelFolder:
         """Publish: config, then the shards under their names, the index last; earlier exports' files
         this one does not use are removed."""
         if self.files or len(self.done) != len(self.shards):
-            missing = [n for n, _ in self.shards if n not in {os.path.basename(f.path) for f in self.done}]
+            missing = [n for n in self.shards if n not in {os.path.basename(f.path) for f in self.done}]
             raise ValueError(f"shards {missing[:3]} of {self.directory!r} were not filled: put every planned tensor")
         if self.config is not None:
             write_text(os.path.join(self.directory, CONFIG), json.dumps(self.config, indent=2, sort_keys=True) + "\n")
         for name, source in self.config_files.items():
             shutil.copyfile(source, os.path.join(self.directory, name))
-        names = {n for n, _ in self.shards}
+        names = set(self.shards)
         for entry in os.listdir(self.directory):  # old entry points first: no mix of old and new weights
             if entry in (WEIGHTS, INDEX) and entry not in names:
                 os.remove(os.path.join(self.directory, entry))
