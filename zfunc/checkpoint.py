@@ -58,7 +58,7 @@ from . import checkpoint_folders as folders
 from . import dist, layout, swap
 from .checkpoint_io import (DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, free_space_error, read_json,
                             write_json)
-from .hf_export import export_saved, safetensors_from_saved, save_hf
+from .hf_export import export_saved, safetensors_from_saved, save_hf  # noqa: F401 (zf.checkpoint.save_hf)
 from .pytree import NAMESPACE, tree_unflatten
 from .state import INNER, wrapper_role
 from .tree import ModelSpec, Params
