@@ -35,14 +35,18 @@ size), pads it for the current one and keeps this rank's shard, one unit at a
 time: resharding is a by-product of storing flat layouts (``load``). Every byte
 a rank will read is verified before anything is copied into the state.
 ``python -m zfunc.checkpoint consolidate DIR OUT.pt`` writes one fp32
-``state_dict`` that ``model.load_state_dict`` accepts.
+``state_dict`` that ``model.load_state_dict`` accepts (``--safetensors``: one
+``.safetensors`` file in Hugging Face's form, tied weights once).
+
+Hugging Face: ``save_hf(state, OUT)`` and ``python -m zfunc.checkpoint export-hf DIR
+OUT`` (``export_hf``) write the folder ``save_pretrained`` would, one unit in memory
+at a time (``zfunc.hf_export``, ``zfunc.hf_files``).
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import shutil
 import sys
 import time
 from typing import Any
@@ -52,13 +56,14 @@ import torch
 
 from . import checkpoint_folders as folders
 from . import dist, layout, swap
-from .checkpoint_io import DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, read_json, write_json
+from .checkpoint_io import (DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, free_space_error, read_json,
+                            write_json)
+from .hf_export import export_saved, safetensors_from_saved, save_hf  # noqa: F401 (zf.checkpoint.save_hf)
 from .pytree import NAMESPACE, tree_unflatten
 from .state import INNER, wrapper_role
 from .tree import ModelSpec, Params
 
 FORMAT = 2  # 1: no checksums, parts named by their path in the composition's state
-SLACK = 1.05  # free space wanted, relative to the bytes a save writes
 resolve = folders.resolve
 
 
@@ -152,13 +157,14 @@ def _bytes_to_write(nodes, rank: int) -> int:
 
 def _check_space(folder: str, need: int, group) -> None:
     """Raise on every rank if any rank lacks room: no rank starts writing a save that cannot finish."""
-    free = shutil.disk_usage(folder).free
-    short = torch.tensor([float(need * SLACK > free)], dtype=torch.float64, device=dist.device_of(group))
+    error = free_space_error(folder, need, "a checkpoint")
+    short = torch.tensor([float(error is not None)], dtype=torch.float64, device=dist.device_of(group))
     dist.all_reduce_sum(short, group)
+    if error is not None:
+        raise error
     if short.item():
-        raise OSError(28, f"not enough free space for a checkpoint in {folder!r}: this rank writes {need} bytes "
-                          f"and {free} are free (a rank of the group is short); nothing was written, the previous "
-                          "checkpoint is intact")
+        raise OSError(28, f"not enough free space for a checkpoint in {folder!r} on another rank (its error says "
+                          "how much); nothing was written, the previous checkpoint is intact")
 
 
 def _from_rank0(value: int, group) -> int:
@@ -215,7 +221,8 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
         spec = state.params.spec.model
         manifest = {"format": FORMAT, "tag": tag, "saved_ns": time.time_ns(), "world": w,
                     "composition": None if state.plan is None else state.plan.composition,
-                    "count": int(state.count), "model": model_layout(spec), "layouts": layouts, **(extra or {})}
+                    "count": int(state.count), "model": model_layout(spec), "layouts": layouts,
+                    "transient_buffers": list(spec.transient_buffers), **(extra or {})}
         write_json(os.path.join(staging, folders.MANIFEST), manifest)
         folders.publish(directory, tag, final)
     dist.barrier(group)
@@ -287,6 +294,11 @@ class Saved:
 
     def tensor(self, role: str) -> torch.Tensor:
         return self.files[0].view(role).clone()
+
+    def release(self) -> None:
+        """Drop what was read of the files from this process's memory (``RankFile.release``)."""
+        for f in self.files:
+            f.release()
 
     def rng(self, rank: int) -> dict:
         return self.files[rank if rank < self.world else 0].meta["rng"]
@@ -428,7 +440,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
 
 
 def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """One fp32 ``state_dict`` (parameters, tied names too, and buffers) from a checkpoint."""
+    """One fp32 ``state_dict`` (parameters, tied names too, and persistent buffers) from a checkpoint."""
     saved = Saved(resolve(directory, tag))
     manifest = saved.manifest
     units = manifest["model"]["units"]
@@ -447,9 +459,11 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
                 offset += n
     for alias, canonical in manifest["model"]["aliases"]:
         out[alias] = out[canonical]
+    transient = set(manifest.get("transient_buffers", ()))  # not in the model's state_dict
     for path, lay in manifest["layouts"].items():
-        if path.startswith("buffers['") and lay == "tensor":
-            out[path[len("buffers['"): -len("']")]] = saved.tensor(path)
+        name = path[len("buffers['"): -len("']")]
+        if path.startswith("buffers['") and lay == "tensor" and name not in transient:
+            out[name] = saved.tensor(path)
     keys = manifest.get("state_dict_keys")
     if keys is None:
         return out
@@ -459,6 +473,19 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
     return {k: out[k] for k in keys}
 
 
+def export_hf(directory: str, out: str, *, tag: str | None = None, dtype: torch.dtype | None = None,
+              max_shard_size: int | str = "5GB", config=None) -> str:
+    """Write checkpoint ``directory/tag`` (saved at any world size, by any composition) as a Hugging Face
+    model folder ``out``, one unit in memory at a time, in this process alone; returns ``out``. The
+    rest as ``save_hf`` (zfunc.hf_export)."""
+    return export_saved(Saved(resolve(directory, tag)), out, dtype=dtype, max_shard_size=max_shard_size,
+                        config=config)
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zfunc.checkpoint", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -466,23 +493,33 @@ def main(argv=None) -> int:
     c.add_argument("directory")
     c.add_argument("out")
     c.add_argument("--tag", default=None, help="default: the checkpoint 'latest' names")
-    c.add_argument("--safetensors", action="store_true", help="write a .safetensors file (needs safetensors)")
+    c.add_argument("--safetensors", action="store_true",
+                   help="write one .safetensors file as Hugging Face does: tied weights once, under their first "
+                        "name; streamed, one unit in memory at a time")
+    e = sub.add_parser("export-hf", help="write a Hugging Face model folder (safetensors shards, index, config.json) "
+                                         "from a sharded checkpoint, one unit in memory at a time")
+    e.add_argument("directory")
+    e.add_argument("out")
+    e.add_argument("--tag", default=None, help="default: the checkpoint 'latest' names")
+    e.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="default: each parameter in the dtype the model had (fp32 master weights cast to it)")
+    e.add_argument("--max-shard-size", default="5GB", help="bytes, or e.g. 5GB, 500MB (default 5GB)")
+    e.add_argument("--config", default=None,
+                   help="a folder holding config.json, or a JSON file: written as config.json (without it, "
+                        "from_pretrained needs the config from elsewhere)")
     args = parser.parse_args(argv)
-    state_dict = consolidate(args.directory, args.tag)
+    if args.command == "export-hf":
+        export_hf(args.directory, args.out, tag=args.tag, dtype=_DTYPES.get(args.dtype),
+                  max_shard_size=args.max_shard_size, config=args.config)
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
     if args.safetensors:
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            parser.error("--safetensors needs the safetensors package: pip install safetensors")
-        unique = {}
-        seen = {}
-        for k, v in state_dict.items():  # safetensors refuses shared storage: tied names get their own copy
-            unique[k] = v.clone() if id(v) in seen else v
-            seen[id(v)] = k
-        save_file({k: v.contiguous() for k, v in unique.items()}, args.out)
-    else:
-        torch.save(state_dict, args.out)
-    n = sum(v.numel() for k, v in state_dict.items())
+        safetensors_from_saved(Saved(resolve(args.directory, args.tag)), args.out, torch.float32)
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
+    state_dict = consolidate(args.directory, args.tag)
+    torch.save(state_dict, args.out)
+    n = sum(v.numel() for v in state_dict.values())
     print(f"wrote {args.out}: {len(state_dict)} tensors, {n} elements", file=sys.stderr)
     return 0
 

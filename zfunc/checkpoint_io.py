@@ -17,6 +17,7 @@ import math
 import mmap
 import os
 import re
+import shutil
 import zlib
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from .ops import aio
 
 CHUNK = 1 << 20  # bytes per checksum: small enough that a resharded load reads little more than it needs
+SLACK = 1.05  # free space wanted, relative to the bytes a save writes
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.int16, torch.int8, torch.uint8, torch.bool)}
 _JSON_HEAD = re.compile(rb'\{"crc32": "([0-9a-f]{8})", "content": ')
@@ -50,6 +52,15 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def free_space_error(folder: str, need: int, what: str) -> OSError | None:
+    """The error to raise before writing ``need`` bytes of ``what`` into ``folder``, if it lacks room."""
+    free = shutil.disk_usage(folder).free
+    if need * SLACK <= free:
+        return None
+    return OSError(28, f"not enough free space for {what} in {folder!r}: this rank writes {need} bytes and {free} "
+                       "are free; nothing was written, what the folder held is intact")
 
 
 def write_text(path: str, text: str) -> None:
@@ -152,6 +163,12 @@ class RankFile:
             # copy-on-write: writable for torch.frombuffer, never written back to the file
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self.verified: set[tuple[str, int]] = set()
+
+    def release(self) -> None:
+        """Drop the pages of the file read so far from this process's memory (they are read again
+        from the file if touched): a reader going through the file once stays at one unit's size."""
+        if self.mm is not None:
+            self.mm.madvise(mmap.MADV_DONTNEED)
 
     def entry(self, key: str) -> dict:
         e = self.index.get(key)

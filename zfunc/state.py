@@ -143,12 +143,19 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for params in (trainable, state.frozen):
         spec = params.spec
-        for i, (leaf, sharded) in enumerate(zip(params.leaves, spec.sharded)):
-            leaf = swap.load(leaf).detach()  # read in if it lives in a swap file
-            if sharded:  # a host shard (swap file, offload_cpu's master) goes where nccl gathers
-                leaf = leaf.to(dist.device_of(spec.process_group))
-            full = dist.all_gather(leaf, spec.process_group) if sharded else leaf
-            for name, t in spec.segment(i).unflatten(full).items():
+        for i in range(len(params.leaves)):
+            for name, t in spec.segment(i).unflatten(unit_values(params, i)).items():
                 out[name] = t.to(device="cpu", dtype=torch.float32, copy=True)
     order = [n for n, _ in spec.model.owner if spec.model.canonical_name(n) == n]
     return {name: out[name] for name in order}
+
+
+def unit_values(params: Params, i: int) -> torch.Tensor:
+    """Unit ``i``'s whole flat buffer (padded) on every rank: this rank's leaf, read in from its swap
+    file if it lives in one, all-gathered if sharded (every rank of the group calls it)."""
+    spec = params.spec
+    leaf = swap.load(params.leaves[i]).detach()
+    if not spec.sharded[i]:
+        return leaf
+    # a host shard (swap file, offload_cpu's master) goes where nccl gathers
+    return dist.all_gather(leaf.to(dist.device_of(spec.process_group)), spec.process_group)

@@ -80,6 +80,8 @@ class ModelSpec:
     units: tuple[Unit, ...]
     owner: tuple[tuple[str, tuple[int, bool]], ...]  # name (aliases too) -> (unit, trainable)
     canonical: tuple[tuple[str, str], ...]  # alias -> first name
+    # buffers registered with persistent=False: in the state (forward reads them), not in the state_dict
+    transient_buffers: tuple[str, ...] = ()
 
     def owner_of(self, name: str) -> tuple[int, bool]:
         return self._owner[name]
@@ -226,7 +228,9 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
         (name, owner_of_first[canonical.get(name, name)])
         for name, _ in compiled.named_parameters(model, remove_duplicate=False)
     )
-    return ModelSpec(tuple(built), owner, tuple(canonical.items()))
+    transient = dict.fromkeys(f"{path}.{b}" if path else b for path, m in compiled.named_modules(model)
+                              for b in m._non_persistent_buffers_set if m._buffers.get(b) is not None)
+    return ModelSpec(tuple(built), owner, tuple(canonical.items()), tuple(transient))
 
 
 def compile_units(model: nn.Module, units=None, **compile_kwargs) -> nn.Module:
