@@ -18,7 +18,10 @@ gather to its backward (the compiler frees what it can), unless ``regather``: th
 activation checkpointing marks the all-gathers to be done again in backward and the program
 keeps only the shards, as ZeRO-3's hooks do (SimpleFSDP's policy). There is
 no coordinator (no prefetch metrics, no divergence report: every rank must trace the same
-program). A unit the loss does not use gets no gradient (``None``) and no update, as eagerly.
+program). A unit the loss does not use gets no gradient (``None``) and no update, as eagerly; so
+does a parameter of a used unit that the loss does not read: its view passes through ``_Seen``,
+whose backward marks it in its unit's probe, an input of the program whose gradient says which
+parameters got one (``GradOut.live``), as the eager step's ``None`` gradients do.
 Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
 host copies) are not tensors of a program: such a step raises ``CompileError``.
 """
@@ -70,6 +73,27 @@ class _Unit(torch.autograd.Function):
         return g.to(ctx.home_dtype), None, None, None, None, None, None
 
 
+class _Seen(torch.autograd.Function):
+    """Identity on parameter ``k``'s view; its backward, traced only where the loss reads the view,
+    puts a one at ``k`` in the gradient of its unit's probe (a program input of one zero per
+    parameter), so the program says which parameters got a gradient without changing any."""
+
+    @staticmethod
+    def forward(view, probe, k: int):
+        return view.view_as(view)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, probe, ctx.k = inputs
+        ctx.n, ctx.dtype, ctx.device = probe.numel(), probe.dtype, probe.device
+
+    @staticmethod
+    def backward(ctx, g):
+        seen = torch.zeros(ctx.n, dtype=ctx.dtype, device=ctx.device)
+        seen[ctx.k] = 1
+        return g, seen, None
+
+
 class Views(Mapping):
     """``name -> Tensor`` for ``loss_fn`` inside the program: every unit's views (aliases of tied
     weights too) and the buffers; ``zf.apply`` casts floating inputs to ``input_dtype``."""
@@ -108,20 +132,24 @@ class Program:
             (gathers(p, group), frozen.spec.segment(i)) for i, p in enumerate(frozen.spec.placements)]
         self.model = spec.model
         self.input_dtype = next((p.param_dtype for p in spec.placements if p.param_dtype), None)
+        # one zero per parameter of each unit: their gradients say which parameters got one (_Seen)
+        self.probes = [torch.zeros(len(u.segment.entries), device=leaf.device, requires_grad=True)
+                       for u, leaf in zip(self.units, params.leaves)]
         self.compiled = torch.compile(self.forward, **kwargs)
 
-    def forward(self, anchors, leaves, frozen, buffers, batch):
+    def forward(self, anchors, probes, leaves, frozen, buffers, batch):
         if not self.regather:
-            return self.run(anchors, leaves, frozen, buffers, batch)
-        return checkpoint(self.run, anchors, leaves, frozen, buffers, batch, use_reentrant=False,
+            return self.run(anchors, probes, leaves, frozen, buffers, batch)
+        return checkpoint(self.run, anchors, probes, leaves, frozen, buffers, batch, use_reentrant=False,
                           context_fn=_REGATHER)
 
-    def run(self, anchors, leaves, frozen, buffers, batch):
+    def run(self, anchors, probes, leaves, frozen, buffers, batch):
         tensors = {}
-        for (gather, scatter, reduce_dtype, segment), anchor, leaf in zip(self.units, anchors, leaves):
+        for (gather, scatter, reduce_dtype, segment), anchor, probe, leaf in zip(self.units, anchors, probes, leaves):
             if segment.entries:
                 full = _Unit.apply(anchor, leaf, gather, scatter, reduce_dtype or leaf.dtype, self.group, self.w)
-                tensors.update(segment.unflatten(full))
+                tensors.update((name, _Seen.apply(view, probe, k))
+                               for k, (name, view) in enumerate(segment.unflatten(full).items()))
         for (gather, segment), leaf in zip(self.frozen or (), frozen):
             if segment.entries:
                 tensors.update(segment.unflatten(funcol.all_gather_tensor(leaf, 0, self.group) if gather else leaf))
@@ -178,9 +206,14 @@ class Jit(Transform):
             anchors = _anchors(params)
             leaves = params.leaves
             frozen_leaves = [] if frozen is None else list(frozen.leaves)
-            loss, aux = program.compiled(anchors, list(leaves), frozen_leaves, dict(buffers or {}), batch)
+            probes = program.probes
+            loss, aux = program.compiled(anchors, probes, list(leaves), frozen_leaves, dict(buffers or {}), batch)
             with lazy.resolving(_NoWeightsOutside(self.regather)):
-                grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
+                grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors + probes,
+                                            allow_unused=True)
+            grads, seen = grads[: len(anchors)], grads[len(anchors) :]
+            live = {i: tuple(s > 0 for s in marks.tolist()) for i, (g, marks) in enumerate(zip(grads, seen))
+                    if g is not None and marks is not None}
             home = Params(grad_spec(params.spec), grads)
             w = dist.world_size(params.spec.process_group)  # every unit is gathered at once
             peak = sum(t.numel() * t.element_size() * (w if u.gather else 1) for t, u in zip(leaves, program.units))
@@ -188,7 +221,7 @@ class Jit(Transform):
                 for i, g in enumerate(grads):
                     if g is not None:
                         sink.take_home(i, g)
-            return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale)
+            return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale, live=live)
 
         return run
 
