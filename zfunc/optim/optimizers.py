@@ -307,13 +307,16 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         # takes mixed devices and storage (bf16 params with fp32 moments, fp16
         # grads), does the math in fp32, multiplies the gradients by the step's
         # scale as it reads them and writes the low-precision copies.
-        for step, parts in _live_by_step(params, g, steps, info).items():
+        groups = _live_by_step(params, g, steps, info)
+        for step, parts in groups.items():
             pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
             fused_adam.adam_update_(
                 pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, decoupled=decoupled,
                 grad_scale=1.0 if info is None else info.scale, lowp_params=None if lows is None else pick(lows),
             )
+        if lows is not None:
+            _cast_the_rest(lows, p, g, groups)
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
     return Optimizer(init, update, fuses=True)
@@ -352,7 +355,8 @@ def sgd(
         lows = None if lowp_params is None else _lowp_like(lowp_params, p_all, spec)
         bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
         lr = float(schedule(int(opt_state.count)))
-        for step, parts in _live_by_step(params, g_all, steps, info).items():
+        groups = _live_by_step(params, g_all, steps, info)
+        for step, parts in groups.items():
             pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
             p = pick(p_all)
             # Work in the state's dtype (fp32 or wider); low-precision params are
@@ -381,6 +385,8 @@ def sgd(
                     x.copy_(m)
             if lows is not None:
                 torch._foreach_copy_(pick(lows), p)
+        if lows is not None:
+            _cast_the_rest(lows, p_all, g_all, groups)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
     return Optimizer(init, update, fuses=True)
@@ -463,6 +469,16 @@ def _runs(ranges, got, counts) -> list[tuple[int, Part]]:
     if len(runs) == 1 and not skipped:
         return [(runs[0][0], None)]
     return [(count, (start, stop)) for count, start, stop in runs]
+
+
+def _cast_the_rest(lows, params, grads, groups) -> None:
+    """Each low-precision copy of a leaf with a gradient is written whole: where the update wrote
+    only parts (or nothing), the whole leaf cast from its parameter (what the rest already holds),
+    so a caller may hand over copies it did not read in (offload_nvme's staging buffers)."""
+    whole = {i for parts in groups.values() for i, part in parts if part is None}
+    for i, g in enumerate(grads):
+        if g is not None and i not in whole:
+            lows[i].copy_(params[i])
 
 
 def _part(t: torch.Tensor, part: Part) -> torch.Tensor:
