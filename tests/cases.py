@@ -338,6 +338,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     part of each global batch (split into ``micro`` micro-batches); per-step metrics, the
     full parameters (the fp32 master under mixed precision) and memory accounting.
 
+    ``sgd``: SGD instead of AdamW (a dict: its momentum and decay keywords).
     ``inject[i]``: the ranks whose gradient gets an inf at step ``i`` (through the loss).
     ``compile``: ``{"how": "blocks" | "wrapped" | "model" | "jit", **torch.compile keywords}``
     (``compiled`` below); ``result["graphs"]``: dynamo's unique graphs after each step.
@@ -352,7 +353,7 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
         value = loss(name, zf.apply(compiled_model, params, b[0]), b[1])
         return _InfInGrad.apply(value, flags) if inject is not None else value
 
-    opt = zf.optim.sgd(LR * 10) if sgd else None
+    opt = zf.optim.sgd(LR * 10, **_sgd_keywords(sgd)) if sgd else None
     step = compose(stage, loss_fn, units, 0, clip, precision=precision, micro=micro,
                    precision_outside=precision_outside, opt=opt, offload=offload)
     if compile is not None and compile["how"] == "jit":
@@ -379,6 +380,11 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
             "history": history,
             "composition": step.composition,
         }
+
+
+def _sgd_keywords(sgd) -> dict:
+    """``sgd``: True (plain SGD) or the momentum and decay keywords both SGDs take."""
+    return sgd if isinstance(sgd, dict) else {}
 
 
 def compiled(model: nn.Module, how: dict) -> nn.Module:
@@ -421,13 +427,14 @@ class _InfInGrad(torch.autograd.Function):
 def reference_mixed(name: str, kw: dict, dtype, steps: int = 3, batch_size: int = 4, seed: int = 0,
                     loss_scale: float = 1.0, clip: float | None = None, sgd: bool = False, device: str = "cpu") -> dict:
     """Plain PyTorch mixed precision: a module copy cast to ``dtype`` runs forward and
-    backward on the global batch (loss times ``loss_scale``), and fp32 AdamW (or SGD)
-    with its defaults updates a master copy, which is cast back into the copy
+    backward on the global batch (loss times ``loss_scale``), and fp32 AdamW (or SGD, with
+    ``sgd``'s keywords if a dict) updates a master copy, which is cast back into the copy
     (on ``device``; the result on the CPU)."""
     master = build(name, seed, **kw).to(device)
     low = copy.deepcopy(master).to(dtype)
     params = [p for p in master.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=LR * 10) if sgd else torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+    opt = (torch.optim.SGD(params, lr=LR * 10, **_sgd_keywords(sgd)) if sgd
+           else torch.optim.AdamW(params, lr=LR, weight_decay=0.01))
     losses = []
     for i in range(steps):
         x, y = batch(name, master, i, batch_size, seed, device)

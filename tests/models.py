@@ -218,7 +218,29 @@ class Reusing(nn.Module):
         return self.out(x)
 
 
-MODELS = {"reusing": Reusing, "gpt": TiedGPT, "external": External, "checkpointed": Checkpointed, "skipping": Skipping, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
+class Sometimes(nn.Module):
+    """A parameter some batches do not read: ``extra`` (in the root unit, which every batch runs)
+    acts only on the examples whose last input is 1, and runs only if there are any, so a step, a
+    rank or a micro-batch without one gives it no gradient (torch leaves its ``.grad`` None)."""
+
+    def __init__(self, d_in: int = 4, d: int = 6, d_out: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.extra = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d)) for _ in range(2))
+        self.out = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        h = self.inp(x)
+        flag = x[:, -1:]
+        if bool(flag.any()):
+            h = h + flag * torch.tanh(self.extra(h))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+MODELS = {"sometimes": Sometimes, "reusing": Reusing, "gpt": TiedGPT, "external": External, "checkpointed": Checkpointed, "skipping": Skipping, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
 
 
 def build(name: str, seed: int = 0, **kw) -> nn.Module:
@@ -243,7 +265,11 @@ def _draw(name: str, model: nn.Module, step: int, size: int, seed: int):
         return tokens[:, :-1], tokens[:, 1:]
     d_in = next(m for m in model.modules() if isinstance(m, nn.Linear)).in_features
     d_out = [m for m in model.modules() if isinstance(m, nn.Linear)][-1].out_features
-    return torch.randn(size, d_in, generator=g), torch.randn(size, d_out, generator=g)
+    x, y = torch.randn(size, d_in, generator=g), torch.randn(size, d_out, generator=g)
+    if name == "sometimes":  # only the first example of steps after the first reads ``extra``
+        x[:, -1] = 0.0
+        x[0, -1] = float(step > 0)
+    return x, y
 
 
 def loss(name: str, logits, targets):

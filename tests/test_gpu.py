@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cases import reference, reference_mixed, run_composed
+from models import build
 from test_precision import U, _check
 from test_zero_equivalence import assert_close_to
 from workers import workers
@@ -37,13 +38,11 @@ MODELS = {"gpt": {}, "checkpointed": {}, "external": {}, "frozen_bn": {}}
 
 
 def _pairs():
-    """Every composition on every model, except: accumulation on BatchNorm (a micro-batch of two
-    makes BN's gradients rounding noise, which Adam turns into +-lr on either device), and mixed
-    precision on ``external``, whose unused ``gate.0.bias`` zfunc decays and torch leaves alone
-    (its gradient is None there; the same on the CPU, a known difference)."""
+    """Every composition on every model, except accumulation on BatchNorm (a micro-batch of two
+    makes BN's gradients rounding noise, which Adam turns into +-lr on either device)."""
     for c, spec in COMPOSITIONS.items():
         for name in MODELS:
-            if (name == "frozen_bn" and "micro" in spec) or (name == "external" and "precision" in spec):
+            if name == "frozen_bn" and "micro" in spec:
                 continue
             yield c, name
 
@@ -79,11 +78,15 @@ def test_composition_on_cuda_equals_cpu_and_pytorch(composition, name, tmp_path)
         init = reference(name, MODELS[name], steps=0)["params"]
         expected = reference_mixed(name, MODELS[name], dtype, 3, 4, clip=c.get("clip"), device="cuda",
                                    loss_scale=FP16_SCALE if dtype == torch.float16 else 1.0)
-        # frozen parameters are stored (and gathered back) in the low dtype, like DeepSpeed's
-        frozen = {k for k, v in expected["params"].items() if torch.equal(v, init[k])}
+        # frozen parameters are stored (and gathered back) in the low dtype, like DeepSpeed's; a
+        # trainable one no gradient reached (external's gate.0.bias) keeps its fp32 master exactly
+        frozen = {k for k, p in build(name, **MODELS[name]).named_parameters() if not p.requires_grad}
         for k in frozen:
             assert torch.equal(gpu["params"][k], init[k].to(dtype).float()), k
-        trained = {k: v for k, v in expected["params"].items() if k not in frozen}
+        untouched = {k for k, v in expected["params"].items() if k not in frozen and torch.equal(v, init[k])}
+        for k in untouched:
+            assert torch.equal(gpu["params"][k], init[k]) and torch.equal(cpu["params"][k], init[k]), k
+        trained = {k: v for k, v in expected["params"].items() if k not in frozen | untouched}
         _check(gpu["params"], trained, init, U[dtype], False)
         _check(gpu["params"], {k: cpu["params"][k] for k in trained}, init, U[dtype], False)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import zfunc as zf
 from cases import reference, run_composed
+from models import build
 from test_offload_cpu import KW, _same
 from test_zero_equivalence import assert_close_to
 from workers import workers
@@ -54,7 +55,8 @@ def test_equals_plain_pytorch(name, world):
             assert_close_to(r["params"], expected["params"])
             assert [h["loss"] for h in r["history"]] == pytest.approx(expected["losses"], rel=1e-5)
             mem = r["memory"]
-            counters = 8 * len(r["units"]) + 8  # AdamW's step counts (per unit, and its own) stay in RAM
+            # AdamW's step counts (one per parameter, and its own) stay in RAM
+            counters = 8 * sum(p.requires_grad for p in build(name, **kw).parameters()) + 8
             assert mem["by_home"]["disk"] == mem["optimizer_bytes"] - counters + (mem["param_bytes"] if params else 0)
             # every update writes the state out; a state that fits one sub-group is then read from RAM
             assert all(h["nvme"]["bytes_written"] > 0 for h in r["history"])

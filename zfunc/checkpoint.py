@@ -59,11 +59,13 @@ from . import dist, layout, swap
 from .checkpoint_io import (DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, free_space_error, read_json,
                             write_json)
 from .hf_export import export_saved, safetensors_from_saved, save_hf  # noqa: F401 (zf.checkpoint.save_hf)
+from .optim.optimizers import is_count
 from .pytree import NAMESPACE, tree_unflatten
 from .state import INNER, wrapper_role
 from .tree import ModelSpec, Params
 
-FORMAT = 2  # 1: no checksums, parts named by their path in the composition's state
+FORMAT = 3  # 1: no checksums, parts named by their path in the composition's state; 2: a step count per unit
+READS = (2, 3)  # a format-2 unit count loads into each of the unit's parameters' counts
 resolve = folders.resolve
 
 
@@ -95,8 +97,16 @@ def _role(accessor) -> str:
 
 
 def _is_whole(t: torch.Tensor, sharded: bool) -> bool:
-    """A leaf every rank holds the same of: a whole buffer, or a per-unit counter (0-d)."""
-    return not sharded or t.dim() == 0
+    """A leaf every rank holds the same of: a whole buffer, or a unit's step counts."""
+    return not sharded or is_count(t)
+
+
+def _numel(t: torch.Tensor, seg) -> int:
+    """A unit's leaf's elements as the manifest records them: its unpadded flat buffer's, its step
+    counts' (one per parameter), or 0 for a 0-d count (one per unit, format 2)."""
+    if not t.dim():
+        return 0
+    return t.numel() if is_count(t) else seg.numel
 
 
 def _settle(state) -> None:
@@ -202,7 +212,7 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
                     units.append(None)
                     continue
                 whole = _is_whole(t, sharded)
-                units.append({"numel": seg.numel if t.dim() else 0, "sharded": not whole, "dtype": str(t.dtype)})
+                units.append({"numel": _numel(t, seg), "sharded": not whole, "dtype": str(t.dtype)})
                 if r == 0 or not whole:
                     writer.add(f"{role}#{i}", swap.load(t))  # one unit in RAM at a time
             layouts[role] = units
@@ -238,10 +248,10 @@ class Saved:
     def __init__(self, folder: str):
         self.folder = folder
         self.manifest = read_json(os.path.join(folder, folders.MANIFEST))
-        if self.manifest.get("format") != FORMAT:
+        if self.manifest.get("format") not in READS:
             raise ValueError(f"{folder!r}: checkpoint format {self.manifest.get('format')}, this zfunc reads "
-                             f"{FORMAT} (format 1 came without checksums: load it with the zfunc that wrote it, "
-                             "and save it again with this one)")
+                             f"{' and '.join(map(str, READS))} (format 1 came without checksums: load it with the "
+                             "zfunc that wrote it, and save it again with this one)")
         self.world = self.manifest["world"]
         self.layouts = self.manifest["layouts"]
         self.files = [RankFile(folder, k) for k in range(self.world)]
@@ -275,8 +285,9 @@ class Saved:
     def read_into(self, role: str, i: int, out: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Elements ``[start, start + len(out))`` of unit ``i``'s unpadded flat buffer in the Params part
         ``role`` (any saved world size; zeros past its end) into ``out``, cast to its dtype: only the saved
-        shards that overlap are read, so a load at the saved world size reads just this rank's file."""
-        if out.dim() == 0:
+        shards that overlap are read, so a load at the saved world size reads just this rank's file.
+        A saved 0-d count (format 2's, one per unit) goes into every element of ``out``."""
+        if out.dim() == 0 or not self.files[0].entry(f"{role}#{i}")["shape"]:
             [(file, key, *_)] = self._pieces(role, i, 0, 1)
             return out.copy_(file.view(key))
         done = 0

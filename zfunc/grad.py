@@ -361,6 +361,26 @@ class GradOut(NamedTuple):
     peak: int  # most bytes of gathered units alive at once
     grad_scale: float = 1.0  # the true gradients are grads times this (1/loss scale, 1/micro-batches)
     prefetch: tuple = ()  # the coordinator's metrics of each pass (zfunc.coordinator)
+    # unit -> whether each of its parameters got a gradient on this rank (``merge_live``): True, False,
+    # or None where zf.jit cannot tell (zfunc.traced); None for the whole: not known, every
+    # parameter of a unit with a gradient counts
+    live: dict[int, tuple[bool | None, ...]] | None = None
+
+
+_ORDER = {False: 0, None: 1, True: 2}  # one pass's True wins over another's cannot-tell, which wins over False
+
+
+def merge_live(*records) -> dict[int, tuple[bool | None, ...]] | None:
+    """Which parameters of each unit got a gradient in any of ``records`` (``GradOut.live``, a
+    ``Tracker``'s, one per pass or micro-batch); None if any is not known."""
+    if any(r is None for r in records):
+        return None
+    out: dict[int, tuple[bool | None, ...]] = {}
+    for record in records:
+        for unit, got in record.items():
+            seen = out.get(unit)
+            out[unit] = tuple(got) if seen is None else tuple(max(a, b, key=_ORDER.get) for a, b in zip(seen, got))
+    return out
 
 
 def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
@@ -383,7 +403,7 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
             tracker.finish()
             peak = tracker.peak
         return GradOut(loss.detach(), aux, Params(grad_spec(params.spec), grads), peak,
-                       1.0 if scale is None else 1.0 / scale, tracker.prefetch)
+                       1.0 if scale is None else 1.0 / scale, tracker.prefetch, tracker.got)
 
     return run
 

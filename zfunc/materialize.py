@@ -153,6 +153,7 @@ class Materialize(torch.autograd.Function):
     def backward(ctx, *grads):
         unit: _Unit = ctx.unit
         unit.tracker.release_backward(unit)
+        unit.tracker.got_gradients(unit, grads)
         sink = unit.tracker.sink
         if sink is not None and sink.takes_parts(unit):  # accumulating a whole gradient: no flat copy
             sink.take_parts(unit, grads)
@@ -196,6 +197,15 @@ class Tracker:
         self.sink = None  # a grad sink (zfunc.transforms.sinks) while accumulating or offloading
         self.run = None  # the coordinator's pass (zfunc.coordinator.Run), if prefetching
         self.prefetch: tuple = ()  # its metrics, once the pass completed
+        self.got: dict[int, tuple[bool, ...]] = {}  # unit -> which of its parameters got a gradient
+
+    def got_gradients(self, unit: _Unit, grads) -> None:
+        """Note which of ``unit``'s parameters got a gradient in this backward (``None``: none,
+        as torch leaves ``.grad`` None), over all its uses; the zeros written for the others are
+        no gradient to the optimizer (``GradOut.live``)."""
+        got = tuple(g is not None for g in grads)
+        seen = self.got.get(unit.index)
+        self.got[unit.index] = got if seen is None else tuple(a or b for a, b in zip(seen, got))
 
     def allocated(self, buf: torch.Tensor) -> None:
         self.current += buf.numel() * buf.element_size()

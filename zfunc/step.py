@@ -269,7 +269,7 @@ class Step:
         scale = None if scaler is None else float(state.loss_scale.scale)
         with self.continuing() as coordinator:
             out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=started.buffers, scale=scale)
-            agreed = self._agree(out.loss, out.grads, coordinator.order_hash())
+            agreed = self._agree(out, coordinator.order_hash())
         return self._finish(state, out, agreed, started)
 
     # ------------------------------------------------------- a step in parts
@@ -309,7 +309,7 @@ class Step:
         self._check(state)
         if agreement is None:
             with self.continuing() as coordinator:
-                agreement = self._agree(out.loss, out.grads, coordinator.order_hash())
+                agreement = self._agree(out, coordinator.order_hash())
         return self._finish(state, out, agreement, started)
 
     def _finish(self, state: State, out: GradOut, agreed: "Agreement", started: "Started | None"
@@ -344,7 +344,7 @@ class Step:
             metrics["skipped"] = True
             return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
         del loss
-        info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm)
+        info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm, live=sure_live(agreed.live, grads.spec))
         params, opt_state = apply_update(self.update_part(), grads, state.opt_state, state.params, info=info)
         object.__setattr__(state, "_donated", True)
         if started is not None:  # e.g. offload_nvme: this step's disk traffic
@@ -352,12 +352,14 @@ class Step:
                 metrics.update(t.step_metrics(state, mark))
         return State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
 
-    def _agree(self, loss: torch.Tensor, grads: Params, order: int = 0) -> "Agreement":
+    def _agree(self, out: GradOut, order: int = 0) -> "Agreement":
         """One all-reduce for what every rank must agree on after backward.
 
         Which units some rank used (a unit no rank used gets no update, as
-        ``torch.optim`` skips a parameter without ``.grad``), whether any
-        gradient is non-finite and the global squared norm (one read of each
+        ``torch.optim`` skips a parameter without ``.grad``) and which of their
+        parameters some rank gave a gradient (``out.live``; one that none did gets
+        no update either, though its unit's gradient holds zeros for it), whether
+        any gradient is non-finite and the global squared norm (one read of each
         gradient, ``nonfinite_and_sq_norm``, unless a transform measured it,
         ``Transform.grad_stats``; a shard counts on every rank, a whole
         gradient, the same on every rank, on rank 0 only), the loss, and
@@ -365,9 +367,11 @@ class Step:
         the coordinator's fingerprint of it).
         """
         group = self.group
+        loss, grads = out.loss, out.grads
         leaves = grads.leaves
         w, r = dist.world_size(group), dist.rank(group)
         used = [float(g is not None) for g in leaves]
+        flags = live_flags(grads, out.live)
         bad, sq = [], [0.0, 0.0]
         for g, shard in zip(leaves, grads.spec.sharded):
             if g is None or g.numel() == 0:
@@ -380,8 +384,8 @@ class Step:
                 sq[0] += sq_g
             elif r == 0:
                 sq[1] += sq_g
-        vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *sq], dtype=torch.float64,
-                           device=dist.device_of(group))
+        vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *flags, *sq],
+                           dtype=torch.float64, device=dist.device_of(group))
         dist.all_reduce_sum(vec, group)
         vec = vec.cpu()
         k = len(leaves)
@@ -399,7 +403,50 @@ class Step:
             )
         nonfinite = [f"unit {n!r}" for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
         return Agreement(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]),
-                         True)
+                         True, agreed_live(grads, vec[3 + 2 * k : 3 + 2 * k + len(flags)].tolist()))
+
+
+def live_flags(grads: Params, live: dict | None) -> list[float]:
+    """For each parameter of each unit (in order), 1.0 where it got a gradient on this rank: where
+    ``live`` (``GradOut.live``) says True, or, where it is not known, every one of a unit with a
+    gradient; then, for each, 1.0 where zf.jit cannot tell (``live`` says None). Summed over
+    ranks, ``agreed_live`` reads them back."""
+    got, unsure = [], []
+    for i, g in enumerate(grads.leaves):
+        n = len(grads.spec.segment(i).entries)
+        flags = (False,) * n if g is None else (True,) * n if live is None or i not in live else live[i]
+        got += [float(f is True) for f in flags]
+        unsure += [float(f is None) for f in flags]
+    return got + unsure
+
+
+def agreed_live(grads: Params, summed: list[float]) -> tuple[tuple[bool | None, ...], ...]:
+    """``live_flags`` summed over ranks, per unit: whether each parameter got a gradient on some
+    rank (as under DDP, whose all-reduced gradient exists where any rank made one); None where
+    none says it did and some rank cannot tell (``sure_live`` refuses to guess)."""
+    half = len(summed) // 2
+    out, at = [], 0
+    for i in range(len(grads.spec.sharded)):
+        n = len(grads.spec.segment(i).entries)
+        out.append(tuple(True if g else None if u else False
+                         for g, u in zip(summed[at : at + n], summed[half + at : half + at + n])))
+        at += n
+    return tuple(out)
+
+
+def sure_live(live, spec) -> tuple[tuple[bool, ...], ...] | None:
+    """``live`` (``agreed_live``), where no parameter is left unsure; else the error naming one."""
+    for i, got in enumerate(live or ()):
+        for entry, g in zip(spec.segment(i).entries, got):
+            if g is None:
+                raise compiled.CompileError(
+                    f"zf.jit cannot tell whether parameter {entry.name!r} got a gradient this step: the step's "
+                    "program has graph breaks, and a compiled graph's backward gets zeros, not None, for what it "
+                    "output that got no gradient, so a parameter read only after a break, and not this step, "
+                    "looks like one whose gradient is exactly zero (torch.optim skips the first and updates the "
+                    "second). Remove the graph breaks (torch._dynamo.explain names them), or compile the blocks "
+                    "instead of the step (zf.compile_units); the state was not updated")
+    return live
 
 
 @compiled.eager
@@ -438,6 +485,8 @@ class Agreement(NamedTuple):
     nonfinite: list[str]  # where some rank has an inf/NaN gradient ("unit 'name'")
     sq_norm: float  # squared global norm of the gradients (as computed, before any scale)
     same_order: bool = True  # every rank materialized the same units in the same order
+    # per unit, which parameters got a gradient on some rank (None: zf.jit cannot tell; ``agreed_live``)
+    live: tuple[tuple[bool | None, ...], ...] | None = None
 
 
 def _same_order(h_sum: float, h2_sum: float, w: int) -> bool:

@@ -18,7 +18,14 @@ gather to its backward (the compiler frees what it can), unless ``regather``: th
 activation checkpointing marks the all-gathers to be done again in backward and the program
 keeps only the shards, as ZeRO-3's hooks do (SimpleFSDP's policy). There is
 no coordinator (no prefetch metrics, no divergence report: every rank must trace the same
-program). A unit the loss does not use gets no gradient (``None``) and no update, as eagerly.
+program). A unit the loss does not use gets no gradient (``None``) and no update, as eagerly; so
+does a parameter of a used unit that the loss does not read: its view passes through ``_Seen``,
+whose backward marks it in its unit's probe, an input of the program whose gradient says which
+parameters got one (``GradOut.live``), as the eager step's ``None`` gradients do. Across a graph
+break that is not exact: a compiled graph's backward gets zeros for outputs that got no gradient,
+so it marks a parameter read only after the break. There a marked parameter whose gradient is
+nonzero on some rank got one; one whose gradient is zero everywhere might not have, and the step
+refuses to guess (``zfunc.step.sure_live``).
 Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
 host copies) are not tensors of a program: such a step raises ``CompileError``.
 """
@@ -30,6 +37,7 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch._dynamo.utils import counters
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import compiled, dist, layout, lazy
@@ -70,6 +78,27 @@ class _Unit(torch.autograd.Function):
         return g.to(ctx.home_dtype), None, None, None, None, None, None
 
 
+class _Seen(torch.autograd.Function):
+    """Identity on parameter ``k``'s view; its backward, traced only where the loss reads the view,
+    puts a one at ``k`` in the gradient of its unit's probe (a program input of one zero per
+    parameter), so the program says which parameters got a gradient without changing any."""
+
+    @staticmethod
+    def forward(view, probe, k: int):
+        return view.view_as(view)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, probe, ctx.k = inputs
+        ctx.n, ctx.dtype, ctx.device = probe.numel(), probe.dtype, probe.device
+
+    @staticmethod
+    def backward(ctx, g):
+        seen = torch.zeros(ctx.n, dtype=ctx.dtype, device=ctx.device)
+        seen[ctx.k] = 1
+        return g, seen, None
+
+
 class Views(Mapping):
     """``name -> Tensor`` for ``loss_fn`` inside the program: every unit's views (aliases of tied
     weights too) and the buffers; ``zf.apply`` casts floating inputs to ``input_dtype``."""
@@ -108,20 +137,48 @@ class Program:
             (gathers(p, group), frozen.spec.segment(i)) for i, p in enumerate(frozen.spec.placements)]
         self.model = spec.model
         self.input_dtype = next((p.param_dtype for p in spec.placements if p.param_dtype), None)
+        # one zero per parameter of each unit: their gradients say which parameters got one (_Seen)
+        self.probes = [torch.zeros(len(u.segment.entries), device=leaf.device, requires_grad=True)
+                       for u, leaf in zip(self.units, params.leaves)]
+        self.broken = False  # dynamo broke the program's graph (its marks are then a superset)
         self.compiled = torch.compile(self.forward, **kwargs)
 
-    def forward(self, anchors, leaves, frozen, buffers, batch):
+    def __call__(self, anchors, leaves, frozen, buffers, batch):
+        """The compiled forward; notes whether compiling it broke the graph."""
+        breaks = _graph_breaks()
+        out = self.compiled(anchors, self.probes, leaves, frozen, buffers, batch)
+        self.broken |= _graph_breaks() > breaks
+        return out
+
+    def live(self, home: Params, marks) -> dict[int, tuple[bool | None, ...]]:
+        """``GradOut.live`` from the probes' gradients ``marks`` (and, after a graph break, the home
+        gradients: a marked parameter with a nonzero gradient here got one, one with none here cannot
+        be told apart from one that got zeros)."""
+        out = {}
+        for i, (g, seen) in enumerate(zip(home.leaves, marks)):
+            if g is None or seen is None:
+                continue
+            got = [s > 0 for s in seen.tolist()]
+            if self.broken:
+                ranges = home.parameter_ranges(i)
+                nonzero = torch.stack([g[a:b].ne(0).any() for a, b in ranges]).tolist() if ranges else []
+                got = [(True if nz else None) if on else False for on, nz in zip(got, nonzero)]
+            out[i] = tuple(got)
+        return out
+
+    def forward(self, anchors, probes, leaves, frozen, buffers, batch):
         if not self.regather:
-            return self.run(anchors, leaves, frozen, buffers, batch)
-        return checkpoint(self.run, anchors, leaves, frozen, buffers, batch, use_reentrant=False,
+            return self.run(anchors, probes, leaves, frozen, buffers, batch)
+        return checkpoint(self.run, anchors, probes, leaves, frozen, buffers, batch, use_reentrant=False,
                           context_fn=_REGATHER)
 
-    def run(self, anchors, leaves, frozen, buffers, batch):
+    def run(self, anchors, probes, leaves, frozen, buffers, batch):
         tensors = {}
-        for (gather, scatter, reduce_dtype, segment), anchor, leaf in zip(self.units, anchors, leaves):
+        for (gather, scatter, reduce_dtype, segment), anchor, probe, leaf in zip(self.units, anchors, probes, leaves):
             if segment.entries:
                 full = _Unit.apply(anchor, leaf, gather, scatter, reduce_dtype or leaf.dtype, self.group, self.w)
-                tensors.update(segment.unflatten(full))
+                tensors.update((name, _Seen.apply(view, probe, k))
+                               for k, (name, view) in enumerate(segment.unflatten(full).items()))
         for (gather, segment), leaf in zip(self.frozen or (), frozen):
             if segment.entries:
                 tensors.update(segment.unflatten(funcol.all_gather_tensor(leaf, 0, self.group) if gather else leaf))
@@ -178,19 +235,27 @@ class Jit(Transform):
             anchors = _anchors(params)
             leaves = params.leaves
             frozen_leaves = [] if frozen is None else list(frozen.leaves)
-            loss, aux = program.compiled(anchors, list(leaves), frozen_leaves, dict(buffers or {}), batch)
+            loss, aux = program(anchors, list(leaves), frozen_leaves, dict(buffers or {}), batch)
             with lazy.resolving(_NoWeightsOutside(self.regather)):
-                grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors, allow_unused=True)
+                grads = torch.autograd.grad(loss if scale is None else loss * scale, anchors + program.probes,
+                                            allow_unused=True)
+            grads, marks = grads[: len(anchors)], grads[len(anchors) :]
             home = Params(grad_spec(params.spec), grads)
+            live = program.live(home, marks)
             w = dist.world_size(params.spec.process_group)  # every unit is gathered at once
             peak = sum(t.numel() * t.element_size() * (w if u.gather else 1) for t, u in zip(leaves, program.units))
             if sink is not None:  # accumulate: this micro-batch's home gradients into its sums
                 for i, g in enumerate(grads):
                     if g is not None:
                         sink.take_home(i, g)
-            return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale)
+            return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale, live=live)
 
         return run
+
+
+def _graph_breaks() -> int:
+    """Graph breaks dynamo has made in this process so far (its own statistics)."""
+    return sum(counters["graph_break"].values())
 
 
 class _NoWeightsOutside:

@@ -321,6 +321,17 @@ class Params:
         if pending is not None:
             pending.wait()
 
+    def parameter_ranges(self, unit: int) -> list[tuple[int, int]]:
+        """Where each parameter of unit ``unit`` lies in its leaf, ``(start, stop)`` in the leaf's
+        elements: the whole buffer's offsets, or a shard's (empty where the shard holds none of it)."""
+        leaf = self._leaves[unit]
+        start = 0
+        if self.spec.sharded[unit]:
+            start = layout.shard_start(dist.rank(self.spec.process_group), leaf.numel())
+        stop = start + leaf.numel()
+        return [(min(max(e.offset, start), stop) - start, min(max(e.offset + e.numel, start), stop) - start)
+                for e in self.spec.segment(unit).entries]
+
     def __repr__(self) -> str:
         units = ", ".join(
             f"{u.name or '<root>'}:{'shard' if s else 'full'}[{'unused' if t is None else t.numel()}]"

@@ -32,7 +32,7 @@ from torch import nn
 from .. import checkpoint, compiled, dist, lazy, swap
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
 from ..transforms.sinks import GradSink, Sink
-from ..grad import GradOut, apply, forward as run_forward, grad_spec, materialized, scalar_loss
+from ..grad import GradOut, apply, forward as run_forward, grad_spec, materialized, merge_live, scalar_loss
 from .loop import Loop
 from ..materialize import Materialize
 from ..step import Step, eval_step, train_step
@@ -240,6 +240,7 @@ class _Window:
         self.unreduced = False  # whole gradients were added since the last reduction
         self.peak = 0
         self.prefetch: tuple = ()
+        self.live: dict = {}  # which parameters the backwards so far gave a gradient (GradOut.live)
         self.tokens = 0
 
     def close(self, passes: list[_Pass], error: BaseException | None = None) -> None:
@@ -248,6 +249,7 @@ class _Window:
             p.close(error)
             self.peak = max(self.peak, p.tracker.peak)
             self.prefetch += p.tracker.prefetch
+            self.live = merge_live(self.live, p.tracker.got)
 
     def close_orphans(self) -> None:
         self.close([p for p in self.passes if p.orphaned], _Unfinished())
@@ -412,7 +414,7 @@ class Engine(Loop):
             _reduce_whole(grads, self.step_fn.group)
         out = GradOut(torch.stack(window.losses).mean(), None, grads, window.peak,
                       (1.0 if window.scale is None else 1.0 / window.scale) / self.gradient_accumulation_steps,
-                      window.prefetch)
+                      window.prefetch, window.live)
         self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)

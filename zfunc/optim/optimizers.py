@@ -30,19 +30,24 @@ copy of parameters or optimizer state, and a training step owns its gradients.
 
 State is an explicit pytree (a chain's state is the tuple of its members'). The
 optimizers' states hold ``count``, a 0-d int64 CPU tensor (updates applied so
-far; it stays on CPU wherever the rest of the state goes), ``steps``, the same
-count per leaf, and trees with the structure of ``params`` in fp32 (fp64 for
-fp64 params), so sharding, offload and checkpoints treat them like params.
-Low-precision params are updated with fp32 math and fp32 moments, and rounded.
+far; it stays on CPU wherever the rest of the state goes), ``steps``, the
+updates each parameter got (its bias correction; int64 on the CPU: for a zfunc
+``Params``, one count per parameter of each unit, the same on every rank; for
+other pytrees, one 0-d count per leaf), and trees with the structure of
+``params`` in fp32 (fp64 for fp64 params), so sharding, offload and
+checkpoints treat them like params. Low-precision params are updated with fp32
+math and fp32 moments, and rounded.
 
 A ``None`` gradient leaf means "no gradient": that leaf is not updated, its
 moments and its ``steps`` stay as they were, exactly as ``torch.optim``
-skips a parameter whose ``.grad`` is None.
+skips a parameter whose ``.grad`` is None. Within a unit of a ``Params``,
+``GradInfo.live`` says the same per parameter.
 
 What a step knows, folded in. A training step calls ``update`` with keywords
-``info=GradInfo(scale, sq_norm)`` (multiply the gradients by ``scale`` to get
-the true ones: loss-scale unscale, 1/micro-batches; ``sq_norm``: their squared
-global norm as handed over, already read to check for inf/NaN) and, under
+``info=GradInfo(scale, sq_norm, live)`` (multiply the gradients by ``scale`` to
+get the true ones: loss-scale unscale, 1/micro-batches; ``sq_norm``: their
+squared global norm as handed over, already read to check for inf/NaN;
+``live``: which parameters of each unit got a gradient on some rank) and, under
 mixed precision, ``lowp_params`` (low-precision copies to write the updated
 parameters to). zfunc's optimizers and ``chain`` take them (``fuses=True``), so
 unscale, the clip factor, the update and the cast are one kernel pass over
@@ -68,6 +73,7 @@ from .lr import (ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay
                  warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr)
 from ..ops import adam as fused_adam
 from ..pytree import NAMESPACE, format_path, global_norm, tree_flatten, tree_map
+from ..tree import Params
 
 PyTree = Any
 
@@ -100,6 +106,10 @@ class GradInfo:
 
     scale: float = 1.0
     sq_norm: float | None = None
+    # per unit of the step's Params, whether each of its parameters got a gradient on some rank
+    # (a unit's gradient holds zeros for the others; they get no update, as torch skips a None .grad);
+    # None: every parameter of a unit with a gradient got one
+    live: tuple[tuple[bool, ...], ...] | None = None
 
     def norm(self, updates) -> float:
         """The global norm of the true gradients (``updates`` times ``scale``)."""
@@ -149,13 +159,13 @@ class AdamState(NamedTuple):
     count: torch.Tensor  # 0-d int64 on CPU: updates applied so far (the schedule's step)
     mu: PyTree  # first moments, structured like params
     nu: PyTree  # second moments, structured like params
-    steps: PyTree  # per leaf, 0-d int64: updates that leaf got (its bias correction)
+    steps: PyTree  # updates each parameter got (its bias correction): ``_zero_steps``
 
 
 class SgdState(NamedTuple):
     count: torch.Tensor  # 0-d int64 on CPU: updates applied so far
     momentum: PyTree  # momentum buffers structured like params; None without momentum
-    steps: PyTree  # per leaf, 0-d int64: updates that leaf got
+    steps: PyTree  # updates each parameter got: ``_zero_steps``
 
 
 # --------------------------------------------------------------------------- chain
@@ -283,7 +293,7 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
 
     def init(params):
         return AdamState(_zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params),
-                         tree_map(_zero_count_like, params))
+                         _zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None):
         p, spec = tree_flatten(params)
@@ -293,17 +303,20 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         steps = _counts_like(opt_state.steps, p, spec)
         lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
         lr = float(schedule(int(opt_state.count)))
-        # One call per distinct leaf step (one in all but rare steps): the kernel
+        # One call per distinct step count (one in all but rare steps): the kernel
         # takes mixed devices and storage (bf16 params with fp32 moments, fp16
         # grads), does the math in fp32, multiplies the gradients by the step's
         # scale as it reads them and writes the low-precision copies.
-        for step, idx in _live_by_step(g, steps).items():
-            pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        groups = _live_by_step(params, g, steps, info)
+        for step, parts in groups.items():
+            pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
             fused_adam.adam_update_(
                 pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
                 eps=eps, weight_decay=weight_decay, decoupled=decoupled,
                 grad_scale=1.0 if info is None else info.scale, lowp_params=None if lows is None else pick(lows),
             )
+        if lows is not None:
+            _cast_the_rest(lows, p, g, groups)
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
     return Optimizer(init, update, fuses=True)
@@ -333,7 +346,7 @@ def sgd(
 
     def init(params):
         bufs = tree_map(_zeros_master, params) if momentum else None
-        return SgdState(_zero_count(), bufs, tree_map(_zero_count_like, params))
+        return SgdState(_zero_count(), bufs, _zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None):
         p_all, spec = tree_flatten(params)
@@ -342,19 +355,21 @@ def sgd(
         lows = None if lowp_params is None else _lowp_like(lowp_params, p_all, spec)
         bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
         lr = float(schedule(int(opt_state.count)))
-        for step, idx in _live_by_step(g_all, steps).items():
-            p = [p_all[i] for i in idx]
+        groups = _live_by_step(params, g_all, steps, info)
+        for step, parts in groups.items():
+            pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
+            p = pick(p_all)
             # Work in the state's dtype (fp32 or wider); low-precision params are
             # updated in that dtype and rounded back.
             master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
             masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
-            d_p = [x if x.dtype == d else x.to(d) for x, d in zip((g_all[i] for i in idx), master_dtypes)]
+            d_p = [x if x.dtype == d else x.to(d) for x, d in zip(pick(g_all), master_dtypes)]
             if info is not None and info.scale != 1.0:
                 torch._foreach_mul_(d_p, info.scale)
             if weight_decay:
                 torch._foreach_add_(d_p, masters, alpha=weight_decay)
             if momentum:
-                bufs = [bufs_all[i] for i in idx]
+                bufs = pick(bufs_all)
                 if step == 0:
                     torch._foreach_copy_(bufs, d_p)
                 else:
@@ -369,7 +384,9 @@ def sgd(
                 if x is not m:
                     x.copy_(m)
             if lows is not None:
-                torch._foreach_copy_([lows[i] for i in idx], p)
+                torch._foreach_copy_(pick(lows), p)
+        if lows is not None:
+            _cast_the_rest(lows, p_all, g_all, groups)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
     return Optimizer(init, update, fuses=True)
@@ -379,8 +396,22 @@ def _zero_count() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
-def _zero_count_like(p: torch.Tensor) -> torch.Tensor:
-    return _zero_count()
+def _zero_steps(params) -> PyTree:
+    """No updates yet: for a zfunc ``Params``, one count per parameter of each unit (its parameters
+    may miss updates apart, and torch counts per parameter), the whole unit's on every rank, even
+    where a rank's slice holds none of a parameter, so the counts stay the same everywhere; for
+    any other pytree, one 0-d count per leaf."""
+    if isinstance(params, Params):
+        spec = params.spec
+        return Params(spec, [torch.zeros(len(spec.segment(i).entries), dtype=torch.int64)
+                             for i in range(len(spec.sharded))])
+    return tree_map(lambda p: _zero_count(), params)
+
+
+def is_count(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an optimizer's step count (``steps``, ``count``: int64, small, the same on
+    every rank, kept in RAM), not a tensor laid out like the parameters."""
+    return not t.is_floating_point()
 
 
 def _counts_like(steps, p_leaves, spec) -> list[torch.Tensor]:
@@ -390,14 +421,69 @@ def _counts_like(steps, p_leaves, spec) -> list[torch.Tensor]:
     return leaves
 
 
-def _live_by_step(grads, steps) -> dict[int, list[int]]:
-    """Leaves that have a gradient, grouped by the updates each has had; their counts advance."""
-    groups: dict[int, list[int]] = {}
+Part = tuple[int, int] | None  # elements [start, stop) of a leaf; None: all of it
+
+
+def _live_by_step(params, grads, steps, info: GradInfo | None) -> dict[int, list[tuple[int, Part]]]:
+    """What to update, grouped by the updates each part has had (one group in all but rare steps),
+    as ``(leaf, part)``; the counts of what is updated advance.
+
+    A leaf without a gradient is left out. A unit's leaf (one count per parameter) is one part when
+    every parameter in it got a gradient (``info.live``) and all have had as many updates, as in
+    all but rare steps; else each run of neighbouring parameters that did and have is a part of its
+    own, and a parameter without a gradient is left out: no decay, no moment update, its count kept,
+    as ``torch.optim`` skips a parameter whose ``.grad`` is None. A parameter counts even where this
+    rank's slice holds none of it, so every rank keeps the same counts.
+    """
+    groups: dict[int, list[tuple[int, Part]]] = {}
+    live = None if info is None else info.live
     for i, (g, n) in enumerate(zip(grads, steps)):
-        if g is not None:
-            groups.setdefault(int(n), []).append(i)
+        if g is None:
+            continue
+        if n.dim() == 0:  # one count for the whole leaf
+            groups.setdefault(int(n), []).append((i, None))
             n.add_(1)
+            continue
+        got = (True,) * n.numel() if live is None else live[i]
+        for count, part in _runs(params.parameter_ranges(i), got, n.tolist()):
+            groups.setdefault(count, []).append((i, part))
+        n.add_(torch.tensor(got, dtype=torch.int64))
     return groups
+
+
+def _runs(ranges, got, counts) -> list[tuple[int, Part]]:
+    """``(count, part)`` of one unit's leaf: runs of neighbouring parameters in it (``ranges``: each
+    parameter's elements in the leaf, empty where it holds none) that got a gradient and have had
+    ``count`` updates; the whole leaf (padding too, as zeros stay zeros) when that is one run of all."""
+    runs: list[list[int]] = []
+    skipped = False
+    for (start, stop), on, count in zip(ranges, got, counts):
+        if start == stop:
+            continue
+        if not on:
+            skipped = True
+        elif runs and runs[-1][0] == count and runs[-1][2] == start:
+            runs[-1][2] = stop
+        else:
+            runs.append([count, start, stop])
+    if len(runs) == 1 and not skipped:
+        return [(runs[0][0], None)]
+    return [(count, (start, stop)) for count, start, stop in runs]
+
+
+def _cast_the_rest(lows, params, grads, groups) -> None:
+    """Each low-precision copy of a leaf with a gradient is written whole: where the update wrote
+    only parts (or nothing), the whole leaf cast from its parameter (what the rest already holds),
+    so a caller may hand over copies it did not read in (offload_nvme's staging buffers)."""
+    whole = {i for parts in groups.values() for i, part in parts if part is None}
+    for i, g in enumerate(grads):
+        if g is not None and i not in whole:
+            lows[i].copy_(params[i])
+
+
+def _part(t: torch.Tensor, part: Part) -> torch.Tensor:
+    """Elements ``part`` of the flat leaf ``t`` (a view: updating it updates ``t``)."""
+    return t if part is None else t[part[0] : part[1]]
 
 
 def _grads_like(grads, p_leaves, params) -> list[torch.Tensor | None]:

@@ -31,7 +31,7 @@ from ..transforms.sinks import GradSink
 from ..ops import cpu_adam
 from .link import ACT, GRAD, Link
 from .module import PipelineModule, make_grid
-from ..step import Agreement, train_step
+from ..step import Agreement, agreed_live, live_flags, train_step
 from ..tree import Params
 
 def _input_grads(xs) -> tuple:
@@ -125,7 +125,7 @@ class PipelineEngine(Loop):
 
     def _run(self, program, micro: list, buffers: dict, train: bool, scale: float | None = None):
         """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None, the
-        peak bytes of units materialized at once). ``buffers``: the step's fresh buffers (``Step.begin``);
+        peak bytes of units materialized at once, which parameters got a gradient: ``GradOut.live``). ``buffers``: the step's fresh buffers (``Step.begin``);
         ``scale``: fp16's loss scale, applied to the last stage's losses before backward."""
         state, module = self.state, self.module
         inputs, outputs, out_grads, labels, losses = {}, {}, {}, {}, {}
@@ -190,7 +190,7 @@ class PipelineEngine(Loop):
         for link in (self.fwd, self.bwd):
             if link is not None:
                 link.finish()
-        return [losses[m].detach().float() for m in sorted(losses)], grads, peak
+        return [losses[m].detach().float() for m in sorted(losses)], grads, peak, tracker.got
 
     def _send_grads_early(self, m: int, xs: tuple, sent: set) -> list:
         """Post a micro-batch's ``SendGrad`` from inside its ``Backward``, the moment autograd has
@@ -245,6 +245,21 @@ class PipelineEngine(Loop):
             if group is not None and g is not None:
                 dist.all_reduce_sum(g, group)
 
+    def _agree_live(self, grads: Params, live) -> tuple:
+        """Per unit, which parameters got a gradient on some replica of this stage, or, for a tied
+        module, on some stage holding it (whose gradients ``_reduce_tied`` summed): those the
+        update leaves out get none (``GradInfo.live``)."""
+        flags = torch.tensor(live_flags(grads, live), dtype=torch.float64, device=dist.device_of(self.grid.data_group))
+        dist.all_reduce_sum(flags, self.grid.data_group)
+        starts = [0]
+        for i in range(len(grads.spec.sharded)):
+            starts.append(starts[-1] + len(grads.spec.segment(i).entries))
+        for key, unit in self.tied_units.items():
+            group = self.grid.tied_groups.get(key)
+            if group is not None and grads.leaves[unit] is not None:  # as _reduce_tied's
+                dist.all_reduce_sum(flags[starts[unit] : starts[unit + 1]], group)
+        return agreed_live(grads, flags.tolist())
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One step over ``gradient_accumulation_steps`` micro-batches (pulled by the first and last
         stages); returns the mean loss on every rank."""
@@ -255,13 +270,14 @@ class PipelineEngine(Loop):
         started = step.begin(state)
         scaler = step.loss_scaler  # fp16: every stage scales by the same loss scale
         scale = None if scaler is None else float(state.loss_scale.scale)
-        losses, grads, peak = self._run(program, micro, started.buffers, train=True, scale=scale)
+        losses, grads, peak, live = self._run(program, micro, started.buffers, train=True, scale=scale)
         schedule_end = time.perf_counter()
         self._reduce_tied(grads)
         grad_scale = 1.0 / len(micro) / (1.0 if scale is None else scale)  # the true gradients: grads x this
         out = GradOut(torch.zeros(()), None, grads, peak, grad_scale)  # the loss: the agreement's
+        agreement = self._agree(losses, grads)._replace(live=self._agree_live(grads, live))
         # the state keeps its buffers (the schedule's forwards ran on fresh copies)
-        self.state, metrics = step.apply_gradients(state, out, agreement=self._agree(losses, grads))
+        self.state, metrics = step.apply_gradients(state, out, agreement=agreement)
         metrics["step_s"] = time.perf_counter() - start
         # the instruction list's time, in Forward and Backward, and when it ran (perf_counter, a clock
         # every process on a machine shares on Linux: the stages' windows give the pipeline's span)
@@ -277,7 +293,7 @@ class PipelineEngine(Loop):
         micro = self._pull(data_iter)
         program = [i for i in S.gpipe(len(micro), self.grid.stages, self.grid.stage)
                    if isinstance(i, (S.LoadMicroBatch, S.RecvActivation, S.Forward, S.SendActivation))]
-        losses, _, _ = self._run(program, micro, self.step_fn.begin(self.state).buffers, train=False)
+        losses, *_ = self._run(program, micro, self.step_fn.begin(self.state).buffers, train=False)
         vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], dtype=torch.float64,
                            device=dist.device_of(None))
         dist.all_reduce_sum(vec)

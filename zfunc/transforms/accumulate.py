@@ -22,7 +22,7 @@ from itertools import islice
 
 import torch
 
-from ..grad import GradOut, grad_spec
+from ..grad import GradOut, grad_spec, merge_live
 from .sinks import AccumulatingGrad, GradSink
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
@@ -60,7 +60,7 @@ class Accumulate(Transform):
         def run(params, batch, **kw):
             micro = self.micro_batches(batch)
             sink = GradSink(grad_spec(params.spec))
-            losses, auxes, peak, prefetch = [], [], 0, ()
+            losses, auxes, peak, prefetch, live = [], [], 0, (), {}
             for i, mb in enumerate(micro):
                 sink.last = i == len(micro) - 1
                 out = grad_fn(params, mb, sink=sink, **kw)
@@ -68,7 +68,9 @@ class Accumulate(Transform):
                 auxes.append(out.aux)
                 peak = max(peak, out.peak)
                 prefetch += out.prefetch
-            return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n, prefetch)
+                live = merge_live(live, out.live)  # a parameter some micro-batch read has a gradient
+            return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n, prefetch,
+                           live)
 
         return AccumulatingGrad(run)  # it hands every micro-batch its own sink
 

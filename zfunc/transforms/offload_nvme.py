@@ -58,7 +58,7 @@ from ..buffers import trim as trim_heap
 from ..coordinator import prefetch_settings
 from ..grad import grad_spec
 from ..ops import cpu_adam
-from ..optim.optimizers import GradInfo, Optimizer, apply_update
+from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count
 from ..placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
 from ..pytree import NAMESPACE, register_node
 from .sinks import GradOffHome, with_grad_sink
@@ -156,7 +156,7 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
                 if not isinstance(node, Params):
                     continue
                 t = node.leaves[i]
-                if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel():
+                if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel() and not is_count(t):
                     placeholder = store.create(i, params.spec.model.units[i].name, kinds[k], t.numel(), t.dtype,
                                                store.offsets[i])
                     store.write_now(t, placeholder)
@@ -247,7 +247,7 @@ class _Update:
             nodes[k] = Params(self.nodes[k].spec, [
                 bufs.get(("o", k, i), t) if i in members else (_empty(t) if t.dim() else t)
                 for i, t in enumerate(leaves)])
-        info = None if self.info is None else GradInfo(self.info.scale, self.info.sq_norm)  # each group folds anew
+        info = None if self.info is None else replace(self.info)  # each group folds anew
         new_p, new_state = apply_update(self.optimizer, Params(self.grads.spec, g), self.treedef.unflatten(nodes),
                                         Params(self.params.spec, p), info=info)
         return new_p.leaves, _flatten(new_state)[0]
