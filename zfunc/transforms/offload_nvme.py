@@ -118,53 +118,61 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype)
 
 
-def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[int]]:
-    """Consecutive units in groups of at most ``limit`` elements (a larger unit alone)."""
+def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive pieces ``(unit, start, stop)`` of units in groups of at most ``limit`` elements: a
+    unit larger than ``limit`` is cut into pieces of ``limit`` (the update is elementwise, as it is
+    over a shard), so no group, and no staging set, ever holds more."""
     groups, current, n = [], [], 0
     for i in units:
-        if current and n + sizes[i] > limit:
-            groups.append(current)
-            current, n = [], 0
-        current.append(i)
-        n += sizes[i]
+        for a, b in swap.parts(sizes[i], limit):
+            if current and n + b - a > limit:
+                groups.append(current)
+                current, n = [], 0
+            current.append((i, a, b))
+            n += b - a
     if current:
         groups.append(current)
     return groups
 
 
+def piece_size(sub_group_size: int, buffer_size: int) -> int:
+    """Elements the update (and init) holds of each state tensor at once: ``sub_group_size``, at most
+    ``buffer_size``; whole 4 KiB pages of any dtype where it is that large, so pieces start where
+    direct I/O can."""
+    n = min(sub_group_size, buffer_size)
+    return n - n % 4096 if n >= 4096 else n
+
+
 # ---------------------------------------------------------------- the update
 
 
-def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
-    """``optimizer`` over state held in swap files, run one sub-group of units at a time."""
+def swapped_optimizer(optimizer: Optimizer, piece: int) -> Optimizer:
+    """``optimizer`` over state held in swap files, run one sub-group of at most ``piece`` elements
+    at a time (``piece_size``); init makes a unit's state ``piece`` elements at a time too."""
 
     def init(params: Params):
         store = swap.store_of(params.spec.swap)
         leaves = params.leaves
         merged, specs, treedef, kinds = None, None, None, None  # leaves per node, gathered unit by unit
-        t = None
         for i, leaf in enumerate(leaves):
-            staged = store.take_staged(leaf) if swap.on_disk(leaf) else None
-            values = leaf.cpu() if staged is None else staged  # the state is made on the host
-            one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
-            nodes, treedef = _flatten(optimizer.init(one))
-            if merged is None:
-                merged = [list(n.leaves) if isinstance(n, Params) else n for n in nodes]
-                specs = [n.spec if isinstance(n, Params) else None for n in nodes]
-                kinds = _kinds(treedef.unflatten(nodes))
-            for k, node in enumerate(nodes):
-                if not isinstance(node, Params):
-                    continue
-                t = node.leaves[i]
-                if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel():
-                    placeholder = store.create(i, params.spec.model.units[i].name, kinds[k], t.numel(), t.dtype,
-                                               store.offsets[i])
-                    store.write_now(t, placeholder)
-                    t = placeholder
-                merged[k][i] = t
-            if staged is not None:
-                store.write_now(staged.to(leaf.dtype), leaf)
-            del one, nodes, values, staged, t
+            # the state is made on the host, a piece at a time where it goes to disk (whole where it stays in RAM)
+            step = piece if params.spec.placements[i].opt_home == NVME else max(1, leaf.numel())
+            staged = store.is_staged(leaf)
+            pieces = (store.take_staged(leaf, step) if staged
+                      else ((a, leaf[a:b].cpu()) for a, b in swap.parts(leaf.numel(), step)))
+            for start, values in pieces:
+                one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
+                nodes, treedef = _flatten(optimizer.init(one))
+                if merged is None:
+                    merged = [list(n.leaves) if isinstance(n, Params) else n for n in nodes]
+                    specs = [n.spec if isinstance(n, Params) else None for n in nodes]
+                    kinds = _kinds(treedef.unflatten(nodes))
+                for k, node in enumerate(nodes):
+                    if isinstance(node, Params):
+                        merged[k][i] = _keep_state(store, params, i, kinds[k], node.leaves[i], merged[k][i], start)
+                if staged:
+                    store.write_now(values.to(leaf.dtype), leaf, start * leaf.element_size())
+                del one, nodes, values
             trim_heap()  # this unit's temporaries go back to the OS before the next unit's
         nodes = [Params(spec, merged[k]) if spec is not None else merged[k] for k, spec in enumerate(specs)]
         return SwapState(store, treedef.unflatten(nodes))
@@ -173,17 +181,37 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
                lowp_params=None):
         if lowp_params is not None:
             raise ValueError("offload_nvme goes outside mixed_precision: zeroN(offload_nvme(mixed_precision(f)))")
-        return _Update(optimizer, grads, opt_state, params, info, sub_group_size).run()
+        return _Update(optimizer, grads, opt_state, params, info, piece).run()
 
     return Optimizer(init, update, fuses=True)
 
 
+def _keep_state(store: swap.SwapStore, params: Params, i: int, kind: str, t: torch.Tensor, kept, start: int):
+    """Unit ``i``'s state tensor ``t`` as init made it for the piece at element ``start``: where the
+    state lives on disk, written into its swap file (made at the first piece) and that file's
+    placeholder returned; else ``t`` itself (a per-unit counter: the first piece's)."""
+    if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel():
+        if start == 0:
+            kept = store.create(i, params.spec.model.units[i].name, kind, params.leaves[i].numel(), t.dtype,
+                                store.offsets[i])
+        store.write_now(t, kept, start * t.element_size())
+        return kept
+    return t if start == 0 else kept
+
+
+def _held(bufs: dict, key, in_memory):
+    """A piece's tensor: its staging buffer if it came from disk, else ``in_memory()`` (a view)."""
+    return bufs[key] if key in bufs else in_memory()
+
+
 class _Update:
-    """One streamed update: sub-group k computes while k+1 is read and k-1 written."""
+    """One streamed update: sub-group k computes while k+1 is read and k-1 written. A sub-group is a
+    list of pieces ``(unit, start, stop)``: elements ``start:stop`` of the unit's parameters,
+    gradient and state tensors."""
 
     SLOTS = 3
 
-    def __init__(self, optimizer, grads: Params, opt_state: SwapState, params: Params, info, sub_group_size: int):
+    def __init__(self, optimizer, grads: Params, opt_state: SwapState, params: Params, info, piece: int):
         self.optimizer, self.info = optimizer, info
         self.store = opt_state.store
         self.store.check_usable()
@@ -194,36 +222,37 @@ class _Update:
         self.final = {k: list(self.nodes[k].leaves) for k in self.pnodes}
         self.read_params = master_weights(opt_state.inner) is None  # else parameters are only written
         live = [i for i, g in enumerate(self.g) if g is not None and self.p[i].numel()]
-        self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, sub_group_size)
+        self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, piece)
 
-    # which tensors of unit i come from disk: (role, key, placeholder, read?)
-    def _disk_tensors(self, i: int):
+    # which tensors of a piece come from disk: (role, key, placeholder view, read?)
+    def _disk_tensors(self, piece):
+        i, a, b = piece
         out = []
         if swap.on_disk(self.p[i]):
-            out.append(("p", None, self.p[i], self.read_params))
+            out.append(("p", None, self.p[i][a:b], self.read_params))
         if swap.on_disk(self.g[i]):
-            out.append(("g", None, self.g[i], True))
+            out.append(("g", None, self.g[i][a:b], True))
         for k in self.pnodes:
             t = self.nodes[k].leaves[i]
             if swap.on_disk(t):
-                out.append(("o", k, t, True))
+                out.append(("o", k, t[a:b], True))
         return out
 
     def _read(self, group, slot: int, handle, held=frozenset()):
-        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, unit).
+        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, piece).
         Files in ``held`` already have their values there (the resident sub-group): not read."""
-        plan = [(i, *x) for i in group for x in self._disk_tensors(i)]
+        plan = [(piece, *x) for piece in group for x in self._disk_tensors(piece)]
         sizes = [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
         arena = self._arena(slot, sum(sizes))
         bufs, off = {}, 0
-        for (i, role, key, t, read), size in zip(plan, sizes):
+        for (piece, role, key, t, read), size in zip(plan, sizes):
             buf = arena[off : off + t.numel() * t.element_size()].view(t.dtype)
             off += size
             _, file, base = swap.locate(t)
             if read and file.path not in held:
                 self.store._io(f"reading '{file.path}'", lambda: handle.pread(buf, file.path, base))
                 self.store.bytes_read += buf.numel() * buf.element_size()
-            bufs[role, key, i] = buf
+            bufs[role, key, piece] = buf
         return bufs
 
     def _arena(self, slot: int, nbytes: int) -> torch.Tensor:
@@ -236,35 +265,51 @@ class _Update:
         return arenas[slot]
 
     def _compute(self, group, bufs):
-        """The inner optimizer over ``group``; the other units are empty and have no gradient."""
-        members = set(group)
-        p = [(bufs[("p", None, i)] if ("p", None, i) in bufs else self.p[i].cpu()) if i in members
-             else _empty(self.p[i]) for i in range(len(self.p))]  # a leaf on the device: a host copy
-        g = [bufs.get(("g", None, i), self.g[i]) if i in members else None for i in range(len(self.g))]
+        """The inner optimizer over ``group``'s pieces; the other units are empty and have no gradient.
+        Returns what it was handed and what it returned, (parameters, state nodes) each."""
+        at = {i: (i, a, b) for i, a, b in group}
+        p, g = [], []
+        for i, (leaf, grad) in enumerate(zip(self.p, self.g)):
+            piece = at.get(i)
+            if piece is None:
+                p.append(_empty(leaf))
+                g.append(None)
+                continue
+            _, a, b = piece
+            p.append(_held(bufs, ("p", None, piece), lambda: leaf[a:b].cpu()))  # a leaf on the device: a host copy
+            g.append(_held(bufs, ("g", None, piece), lambda: grad[a:b]))
         nodes = list(self.nodes)
         for k in self.pnodes:
-            leaves = self.nodes[k].leaves
-            nodes[k] = Params(self.nodes[k].spec, [
-                bufs.get(("o", k, i), t) if i in members else (_empty(t) if t.dim() else t)
-                for i, t in enumerate(leaves)])
+            leaves = []
+            for i, t in enumerate(self.nodes[k].leaves):
+                piece = at.get(i)
+                if piece is None:
+                    leaves.append(_empty(t) if t.dim() else t)
+                elif t.dim():
+                    leaves.append(_held(bufs, ("o", k, piece), lambda: t[piece[1]:piece[2]]))
+                else:  # a per-unit counter: each piece of the unit advances a copy of its count before the update
+                    leaves.append(t.clone())
+            nodes[k] = Params(self.nodes[k].spec, leaves)
         info = None if self.info is None else GradInfo(self.info.scale, self.info.sq_norm)  # each group folds anew
         new_p, new_state = apply_update(self.optimizer, Params(self.grads.spec, g), self.treedef.unflatten(nodes),
                                         Params(self.params.spec, p), info=info)
-        return new_p.leaves, _flatten(new_state)[0]
+        return (p, nodes), (new_p.leaves, _flatten(new_state)[0])
 
-    def _write_back(self, group, bufs, new_p, new_nodes, handle) -> None:
-        for i in group:
+    def _write_back(self, group, bufs, handed, returned, handle) -> None:
+        (p_in, nodes_in), (new_p, new_nodes) = handed, returned
+        for piece in group:
+            i, a, b = piece
             if swap.on_disk(self.p[i]):
-                self._write(handle, bufs, ("p", None, i), new_p[i], self.p[i])
-            elif new_p[i] is not self.p[i]:
-                self.p[i].copy_(new_p[i])  # into the device's copy: a blocking upload
+                self._write(handle, bufs, ("p", None, piece), new_p[i], self.p[i][a:b])
+            elif new_p[i] is not p_in[i]:
+                self.p[i][a:b].copy_(new_p[i])  # into the device's copy: a blocking upload
             for k in self.pnodes:
                 old, new = self.nodes[k].leaves[i], new_nodes[k].leaves[i]
                 if swap.on_disk(old):
-                    self._write(handle, bufs, ("o", k, i), new, old)
+                    self._write(handle, bufs, ("o", k, piece), new, old[a:b])
                 elif old.dim():
-                    if new is not old:
-                        old.copy_(new)
+                    if new is not nodes_in[k].leaves[i]:
+                        old[a:b].copy_(new)
                 else:
                     self.final[k][i] = new  # a per-unit counter
 
@@ -284,10 +329,10 @@ class _Update:
         res = store.resident
         if res is None or not groups:
             return groups, 0, frozenset()
-        if set(groups[0]) != res.units and set(groups[-1]) == res.units:
+        if set(groups[0]) != res.pieces and set(groups[-1]) == res.pieces:
             groups.reverse()
-        if set(groups[0]) == res.units:
-            held = {path for path, (key, _) in res.files.items() if key[0] != "g" or path in store.resident_grads}
+        if set(groups[0]) == res.pieces:
+            held = {path for path, (key, _, _) in res.files.items() if key[0] != "g" or path in store.resident_grads}
             return groups, res.slot, frozenset(held)
         store.drop_resident()
         return groups, 0, frozenset()
@@ -303,19 +348,20 @@ class _Update:
         new_nodes, wrote = None, False
         try:
             if not groups:  # no unit has a gradient: only the step count moves
-                _, new_nodes = self._compute([], {})
+                _, (_, new_nodes) = self._compute([], {})
             else:
                 bufs = self._read(groups[0], first, reader, held)
                 store.wait(reader, "reading the optimizer state")
                 for n, group in enumerate(groups):
                     last = n + 1 == len(groups)
                     ahead = None if last else self._read(groups[n + 1], (first + n + 1) % self.SLOTS, reader)
-                    new_p, new_nodes = self._compute(group, bufs)
+                    handed, returned = self._compute(group, bufs)
+                    new_nodes = returned[1]
                     store.wait(writer, "writing the optimizer state")
                     wrote = True
                     handle = store._handle() if last else writer
                     store.faults.fire("update", handle)
-                    self._write_back(group, bufs, new_p, new_nodes, handle)
+                    self._write_back(group, bufs, handed, returned, handle)
                     if last:
                         store.keep_resident((first + n) % self.SLOTS, group, bufs, handle, self._files(group))
                     store.wait(reader, "reading the optimizer state")
@@ -337,12 +383,12 @@ class _Update:
         return Params(self.params.spec, self.p), SwapState(store, self.treedef.unflatten(nodes))
 
     def _files(self, group) -> dict:
-        """file -> ((role, key, unit), byte offset) for the buffers of ``group``'s staging set."""
+        """file -> ((role, key, piece), byte offset, bytes) of the buffers of ``group``'s staging set."""
         out = {}
-        for i in group:
-            for role, key, t, _ in self._disk_tensors(i):
+        for piece in group:
+            for role, key, t, _ in self._disk_tensors(piece):
                 _, file, base = swap.locate(t)
-                out[file.path] = ((role, key, i), base)
+                out[file.path] = ((role, key, piece), base, t.numel() * t.element_size())
         return out
 
 
@@ -370,7 +416,7 @@ class GradToDisk(GradOffHome):
             offset = data.storage_offset() * g.element_size()
         self.written.add(i)
         path = store.file_of(placeholder).path
-        held = store.resident_buffer(path)
+        held = store.resident_buffer(path, offset, data.numel() * data.element_size())
         if held is not None:  # its sub-group is resident: the update reads it from there
             store.grad_stats[id(placeholder)] = stats
             store.dev.fetch(held, data)
@@ -395,7 +441,8 @@ class OffloadNvme(Transform):
         self.prefetch = prefetch  # the coordinator's settings, if given here
         self.faults = faults  # disk errors armed by a test (swap.Faults), or None
         self.path, self.params, self.optimizer = path, params, optimizer
-        self.buffer_count, self.buffer_size, self.sub_group_size = buffer_count, buffer_size, sub_group_size
+        self.buffer_count, self.buffer_size = buffer_count, buffer_size
+        self.piece = piece_size(sub_group_size, buffer_size)  # elements of each state tensor the update holds at once
         self.aio = aio
 
     @property
@@ -414,7 +461,7 @@ class OffloadNvme(Transform):
                        param_home=NVME if self.params else p.param_home)
 
     def wrap_optimizer(self, optimizer):
-        return swapped_optimizer(optimizer, self.sub_group_size)
+        return swapped_optimizer(optimizer, self.piece)
 
     def wrap_grad(self, grad_fn):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
@@ -482,28 +529,65 @@ class OffloadNvme(Transform):
             shard_start = layout.shard_start(r, layout.shard_numel(padded, w))
             sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
                           shard_start if n_grad != padded else 0))
-        largest, _, name = max(on_disk, default=(0, 0, ""))
-        if largest > self.buffer_size:
-            raise ValueError(f"offload_nvme: unit {name or '<root>'!r} holds {largest} elements on this rank, more "
-                             f"than buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
+        # a pool buffer: the largest file, at most buffer_size elements (a larger unit is read past the pool)
+        buffer_bytes = max((min(nbytes, self.buffer_size * (nbytes // n)) for n, nbytes, _ in on_disk if n), default=0)
+        device = swap.device_for(dist.device_of(group))
+        _check_host_memory(self._host_bytes(spec, places, w, buffer_bytes, per_elem, accumulates, device.copies))
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
-                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0), faults=self.faults,
-                               device=swap.device_for(dist.device_of(group)))
+                               buffer_bytes=buffer_bytes, faults=self.faults, device=device)
         store.reserve(need)
         store.offsets = [s[3] for s in sizes]
         for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
             if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
                 dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
                 store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
-        return _DiskHome(store, r)
+        return _DiskHome(store, r, self.piece)
+
+    def _host_bytes(self, spec, places, w: int, buffer_bytes: int, per_elem: int, accumulates: bool,
+                    copies: bool) -> dict[str, int]:
+        """What this rank's host memory must hold at least, by part: the read pool, the update's
+        staging sets (at most three of ``piece`` elements of parameters, gradients and optimizer
+        state), the gradients' two staging buffers from a device, and the largest unit gathered
+        where compute runs on the CPU."""
+        per_piece, total, largest = 0, 0, 0
+        for unit, place in zip(spec.units, places):
+            item = (place.param_dtype or unit.trainable.dtype).itemsize
+            per_piece = max(per_piece, item * self.params + (4 if accumulates else item) + per_elem * self.optimizer)
+            total += layout.home_numel(unit.trainable.padded, w, place.opt_sharded or place.params_sharded)
+            largest = max(largest, unit.trainable.padded * item)
+        held = min(self.piece, total)
+        sets = min(_Update.SLOTS, -(-total // held)) if held else 0
+        out = {"read pool": self.buffer_count * buffer_bytes, "update staging": sets * held * per_piece}
+        out["largest unit" if not copies else "gradient staging"] = largest if not copies else 2 * buffer_bytes
+        return out
+
+
+def _check_host_memory(needs: dict[str, int]) -> None:
+    """Raise, saying how much is needed, where this machine's available memory cannot hold what
+    offload_nvme keeps in RAM (``OffloadNvme._host_bytes``)."""
+    free, total = _available_memory(), sum(needs.values())
+    if free is not None and total > free:
+        parts = ", ".join(f"{k} {v}" for k, v in needs.items())
+        raise MemoryError(f"offload_nvme needs at least {total} bytes of host memory on this rank ({parts}), "
+                          f"{total - free} more than the {free} bytes available: lower buffer_count, buffer_size "
+                          "or sub_group_size, or make smaller units")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable``), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 class _DiskHome:
     """``Step.init``'s leaves of units whose parameters live on disk, written as they are made
     (``Transform.init_home``)."""
 
-    def __init__(self, store: swap.SwapStore, rank: int):
-        self.store, self.key, self.rank = store, store.key, rank
+    def __init__(self, store: swap.SwapStore, rank: int, piece: int):
+        self.store, self.key, self.rank, self.piece = store, store.key, rank, piece
 
     def keep(self, i: int, unit, place: Placement, leaf: torch.Tensor, frozen: bool) -> torch.Tensor:
         if place.param_home != NVME or not leaf.numel():
@@ -515,7 +599,7 @@ class _DiskHome:
         return self.store.put(i, unit.name, "frozen", stored, start)
 
     def finish(self) -> None:
-        self.store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
+        self.store.finish_staged(self.piece)  # what the optimizer's init did not write (an eval step's init)
         trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
 
 
