@@ -673,9 +673,9 @@ class SwapStore:
             return data
         nbytes = data.numel() * data.element_size()
         self._turn = k = 1 - self._turn
-        if self.staging[k].numel() < nbytes:
+        if self.staging[k].numel() < nbytes:  # made once, a pool buffer's size (a larger gradient comes in parts)
             self.staging[k] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
-            self.staging[k] = aio.aligned_empty(_aligned(nbytes))
+            self.staging[k] = aio.aligned_empty(max(_aligned(nbytes), self.pool.nbytes))
         return self.dev.fetch(self.staging[k][:nbytes].view(data.dtype), data)
 
     # --------------------------------------------------------------- lifecycle

@@ -4,27 +4,33 @@
 ``offload_nvme(step, path)`` keeps, per unit, this rank's parameter shard (and
 its frozen parameters' shard), its gradient and every optimizer-state tensor
 (fp32 master, Adam's moments) in swap files under ``path/rank{r}/``
-(zfunc.swap). RAM holds a fixed pool of ``buffer_count`` read buffers, the
-units in use, and the update's staging sets (at most three sub-groups of
-``sub_group_size`` elements), whatever the model's size.
+(zfunc.swap). RAM holds a fixed pool of ``buffer_count`` read buffers of at
+most ``buffer_size`` elements, the units in use, and the update's three
+staging sets of at most ``min(sub_group_size, buffer_size)`` elements of each
+tensor, whatever the model's size and however large a unit.
 
 * init: each unit's shard is staged to disk as it is made (its frozen shard is
   written there once, in its stored dtype: nothing updates it); the optimizer
-  state is then built one unit at a time and written out, so init never holds
-  more than a unit either.
+  state is then built one unit at a time, a piece of at most the staging size
+  at a time, and written out, so init never holds more than a unit either.
 * forward and backward: a unit is read into a pool buffer ahead of use (the
   step's coordinator, zfunc.coordinator, issues the reads, then the
   all-gathers, along the order recorded in the first step), gathered if sharded, and its buffer returned after use; backward
-  re-reads it. Its gradient, once reduced, is written to its swap file at
+  re-reads it. A unit larger than a pool buffer is read into a buffer of its
+  own, which compute uses and drops (on a GPU it passes through the pool
+  buffers a part at a time instead: zfunc.swap). Its gradient, once reduced, is written to its swap file at
   once (``GradToDisk``), with its squared norm and inf/NaN check taken while
   it is in memory, so the step's one agreement on the norm reads nothing back.
-* update: units are streamed in sub-groups of at most ``sub_group_size``
-  elements (a larger unit is a sub-group of its own): the next sub-group's
-  master, moments and gradient are read while the current one is updated by
-  the inner optimizer (the fused CPU Adam), and the one before is written
-  back. The optimizer sees one sub-group at a time, other units stand in as
-  empty tensors with no gradient; its step count advances once per step.
-  Clipping folds into the step's ``GradInfo``, so it still sees the global norm.
+* update: units are streamed in sub-groups of at most ``min(sub_group_size,
+  buffer_size)`` elements, a larger unit cut into pieces of that size (Adam is
+  elementwise, as it is over a shard): the next sub-group's master, moments
+  and gradient are read while the current one is updated by the inner
+  optimizer (the fused CPU Adam), and the one before is written back. The
+  optimizer sees one sub-group at a time, other units stand in as empty
+  tensors with no gradient; its step count, and each unit's, advances once per
+  step. Clipping folds into the step's ``GradInfo``, so it still sees the global norm.
+  DeepSpeed's default ``sub_group_size=1e9`` would hold a 1B-parameter part's
+  whole state in RAM, more than offload_cpu; ``buffer_size`` caps it.
 * the last sub-group stays in its staging set (``SwapStore.resident``): its
   writes finish behind the step, the next forward reads its units from RAM,
   backward puts its gradients there instead of on disk, and the next update
@@ -35,8 +41,10 @@ units in use, and the update's staging sets (at most three sub-groups of
 
 On a GPU (nccl) the disk and the optimizer stay on the host: a unit read into a pinned
 pool buffer is uploaded to the group's device and gathered there, each gradient
-comes back into a pinned buffer before it is written, and the update runs on
-host tensors (zfunc.swap's ``Device`` holds the copies and their events).
+comes back into a pinned staging buffer of a pool buffer's size, a part at a
+time, before it is written, and the update runs on host tensors (zfunc.swap's
+``Device`` holds the copies and their events). Host memory there is the pool,
+the two staging buffers and the update's three sets, whatever the unit sizes.
 
 Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
@@ -238,11 +246,16 @@ class _Update:
                 out.append(("o", k, t[a:b], True))
         return out
 
+    def _plan(self, group) -> tuple[list, list[int]]:
+        """``group``'s tensors from disk, (piece, role, key, placeholder view, read?), and their aligned
+        sizes in a staging set."""
+        plan = [(piece, *x) for piece in group for x in self._disk_tensors(piece)]
+        return plan, [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
+
     def _read(self, group, slot: int, handle, held=frozenset()):
         """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, piece).
         Files in ``held`` already have their values there (the resident sub-group): not read."""
-        plan = [(piece, *x) for piece in group for x in self._disk_tensors(piece)]
-        sizes = [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
+        plan, sizes = self._plan(group)
         arena = self._arena(slot, sum(sizes))
         bufs, off = {}, 0
         for (piece, role, key, t, read), size in zip(plan, sizes):
@@ -256,12 +269,14 @@ class _Update:
         return bufs
 
     def _arena(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Staging set ``slot``, made at once as large as the largest sub-group needs: one that grew
+        step by step would leave each smaller one behind in a pinned-memory cache (CUDA's)."""
         arenas = self.store.arenas
         while len(arenas) <= slot:
             arenas.append(torch.empty(0, dtype=torch.uint8))
         if arenas[slot].numel() < nbytes:
             arenas[slot] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
-            arenas[slot] = swap.aio.aligned_empty(nbytes)
+            arenas[slot] = swap.aio.aligned_empty(max([nbytes, *(sum(self._plan(g)[1]) for g in self.groups)]))
         return arenas[slot]
 
     def _compute(self, group, bufs):
@@ -622,8 +637,10 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     ``params``: parameter shards on disk too (needs zero3, or no stage);
     ``optimizer``: the optimizer state on disk (else in RAM, as offload_cpu);
     ``buffer_count`` x ``buffer_size`` (elements): the pool units are read
-    into; ``sub_group_size``: elements the update holds at once (each of three
-    staging sets); ``aio``: DeepSpeed's ``aio`` config section for
+    into (a larger unit gets a buffer of its own while it is used, or on a
+    GPU passes through the pool); ``sub_group_size``: elements of each tensor
+    the update holds at once, at most ``buffer_size`` (each of three staging
+    sets; a larger unit is updated in pieces); ``aio``: DeepSpeed's ``aio`` config section for
     ``zfunc.ops.aio``. The state owns its files: ``state.close()`` (or a
     ``with`` block) removes them; so does interpreter exit.
     ``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``,
