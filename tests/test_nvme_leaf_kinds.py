@@ -176,7 +176,7 @@ class FrozenTable(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.table = nn.Parameter(torch.randn(300), requires_grad=False)
+        self.table = nn.Parameter(torch.randn(2000), requires_grad=False)
         self.layers = nn.ModuleList([nn.Linear(3, 3)])
 
     def forward(self, x):
@@ -190,17 +190,20 @@ def _table_step(path, buffer_size: int):
 
 
 def test_the_read_pool_and_buffer_size_count_frozen_files(tmp_path):
-    """The pool's buffers hold the largest parameter file, frozen or not: no read overflows it;
-    a frozen unit larger than buffer_size is named at init."""
-    step, model = _table_step(tmp_path, 10)
-    with pytest.raises(ValueError, match=r"unit '<root>' holds 300 elements on this rank, more than buffer_size=10"):
-        step.init(model)
-    step, model = _table_step(tmp_path, 300)
-    with step.init(model) as state:
-        assert zf.swap.on_disk(state.frozen.leaves[0])
-        for _ in range(2):
-            state, metrics = step(state, torch.randn(4, 3))
-            assert metrics["nvme"]["pool_overflow"] == 0 and metrics["nvme"]["bytes_read"] >= 300 * 4
+    """The pool's buffers hold the largest parameter file, frozen or not, up to buffer_size: no read
+    overflows it; a frozen file larger than buffer_size (and so than a pool buffer, 4 KiB at
+    least) is read into a buffer of its own each step, with the same result."""
+    out = []
+    for buffer_size, oversize in ((2000, False), (10, True)):
+        step, model = _table_step(tmp_path, buffer_size)
+        with step.init(model) as state:
+            assert zf.swap.on_disk(state.frozen.leaves[0])
+            for i in range(2):
+                state, metrics = step(state, torch.randn(4, 3, generator=torch.Generator().manual_seed(i)))
+                assert metrics["nvme"]["pool_overflow"] == 0 and metrics["nvme"]["bytes_read"] >= 2000 * 4
+                assert (metrics["nvme"]["pool_oversize"] > 0) == oversize
+            out.append(zf.gather_params(state))
+    zf.testing.assert_trees_all_equal(out[1], out[0])
 
 
 # ------------------------------------------------------------------ checkpoints

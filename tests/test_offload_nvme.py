@@ -4,6 +4,7 @@ memory bounded by its buffers; swap files named, sized and removed; bad paths, a
 I/O errors each leaving the state intact or refusing clearly."""
 import copy
 import errno
+import importlib
 import os
 import subprocess
 import sys
@@ -316,10 +317,20 @@ def test_free_space_is_checked_before_the_first_write(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "rank0") == []  # nothing written, the folder removed
 
 
-def test_buffer_smaller_than_a_unit_is_an_error(tmp_path):
-    step, model = _step(tmp_path, buffer_size=10)
-    with pytest.raises(ValueError, match=r"unit '<root>' holds 74 elements on this rank, more than buffer_size=10"):
+def test_too_little_host_memory_is_an_error_that_says_how_much(tmp_path, monkeypatch):
+    """A unit larger than a pool buffer trains (tests/test_nvme_large_units.py); what raises, at
+    init and before any file is made, is a machine whose available memory cannot hold the pool,
+    the update's staging sets and the largest unit, naming each."""
+    module = importlib.import_module("zfunc.transforms.offload_nvme")  # the module, not the function it exports
+    step, model = _step(tmp_path, buffer_size=10)  # the root holds 74 elements: 8 pool buffers' worth
+    monkeypatch.setattr(module, "_available_memory", lambda: 500)
+    # 5 pool buffers of 10 fp32 elements, three staging sets of 10 elements' parameters, gradients and
+    # moments, and the root gathered: 74 fp32 elements
+    with pytest.raises(MemoryError, match=r"needs at least 976 bytes of host memory on this rank \(read pool 200, "
+                                          r"update staging 480, largest unit 296\), 476 more than the 500 bytes "
+                                          r"available: lower buffer_count, buffer_size or sub_group_size"):
         step.init(model)
+    assert not os.path.exists(tmp_path / "rank0")
 
 
 @pytest.mark.parametrize("phase, err", [("read", errno.EIO), ("grad", errno.ENOSPC), ("grad", errno.EIO)])

@@ -13,7 +13,10 @@ and dtype, which holds no memory and fails loudly if anything computes with
 it. ``locate`` maps a placeholder (or a view of one) to its file and offset.
 
 All I/O goes through ``zfunc.ops.aio``. Units read in for compute land in a
-fixed pool of ``buffer_count`` aligned buffers (``BufferPool``); the optimizer's
+fixed pool of ``buffer_count`` aligned buffers (``BufferPool``); a unit larger
+than a pool buffer gets a buffer of its own for as long as compute uses it (on
+the CPU, where that buffer is the unit compute sees), or passes through the pool
+buffers a buffer's worth at a time on its way to an accelerator. The optimizer's
 streaming update has its own staging arenas (zfunc.transforms.offload_nvme), the last of
 which stays ``resident`` between steps: reads of its files are served from it.
 
@@ -24,13 +27,16 @@ nothing the state keeps, so the same state can step again once the cause is
 fixed. ``close()`` removes the folder; so does interpreter exit.
 
 Where compute runs on an accelerator (``Device``), a unit read into a pool buffer
-is copied to the device without blocking, and a gradient comes back through a
-pinned staging buffer: the host waits for each copy (an event) before it reads,
-writes out or reuses the host buffer.
+is copied to the device without blocking, and a gradient comes back through two
+pinned staging buffers of a pool buffer's size, a part at a time: the host waits
+for each copy (an event) before it reads, writes out or reuses the host buffer.
+So host memory stays the pool, the staging buffers and the update's arenas,
+whatever the size of a unit.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import errno
 import os
@@ -102,18 +108,19 @@ def device_for(device: torch.device) -> Device:
 
 @dataclass
 class Resident:
-    """The staging set the last update left in place: its slot, units, buffers by (role, key,
-    unit) and by file, and the handle whose writes of it may still be in flight."""
+    """The staging set the last update left in place: its slot, pieces of units, buffers by
+    (role, key, piece) and by file, and the handle whose writes of it may still be in flight."""
 
     slot: int
-    units: frozenset
+    pieces: frozenset
     bufs: dict
     handle: object
-    files: dict  # path -> ((role, key, unit), byte offset of the buffer's values in the file)
+    files: dict  # path -> ((role, key, piece), byte offset of the buffer's values in the file, bytes)
 
-    def buffer(self, path: str):
+    def buffer(self, path: str, offset: int, nbytes: int):
+        """The buffer holding bytes ``offset`` to ``offset + nbytes`` of ``path``, if one holds exactly those."""
         entry = self.files.get(path)
-        return None if entry is None else self.bufs.get(entry[0])
+        return None if entry is None or entry[1:] != (offset, nbytes) else self.bufs.get(entry[0])
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,12 @@ def _short(dtype: torch.dtype) -> str:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def parts(n: int, size: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of at most ``size`` that cover ``n`` elements, in order (for
+    ``n = 0``, the one empty range)."""
+    return [(a, min(a + size, n)) for a in range(0, n, size)] or [(0, 0)]
 
 
 # placeholder id -> (store, file, placeholder); the store keeps the placeholder alive
@@ -200,26 +213,29 @@ def check_state(state) -> None:
 
 
 def io_counts(state) -> dict | None:
-    """Bytes the state's store has read and written so far, and its pool's use; None without one."""
+    """Bytes the state's store has read and written so far, and its pool's use (``pool_oversize``:
+    units larger than a pool buffer read in); None without one."""
     store = open_store(state)
     if store is None:
         return None
     return {"bytes_read": store.bytes_read, "bytes_written": store.bytes_written,
-            "pool_peak_buffers": store.pool.peak_in_use, "pool_overflow": store.pool.overflow}
+            "pool_peak_buffers": store.pool.peak_in_use, "pool_overflow": store.pool.overflow,
+            "pool_oversize": store.oversize}
 
 
 class BufferPool:
     """``count`` aligned buffers of ``nbytes`` each, made on first use and reused.
 
     A request when all are taken gets a buffer of its own (counted in
-    ``overflow``), dropped when given back, so a step never deadlocks on the pool.
+    ``overflow``), dropped when given back, so a step never deadlocks on the pool;
+    so does a request larger than ``nbytes`` (a unit larger than a pool buffer).
     """
 
     def __init__(self, count: int, nbytes: int):
         self.count, self.nbytes = count, _aligned(max(nbytes, 1))
         self._free: list[torch.Tensor] = []
         self._ours: dict[int, torch.Tensor] = {}  # storage ptr -> raw pool buffer in use
-        self._extra: set[int] = set()  # storage ptrs of overflow buffers in use
+        self._extra: set[int] = set()  # storage ptrs of overflow and oversize buffers in use
         self._alone: dict[int, int] = {}  # storage ptr -> its reference count when only the pool holds it
         self._landing: dict[int, object] = {}  # storage ptr -> event after the last copy out of it
         self.made = 0
@@ -229,7 +245,10 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
-        if nbytes <= self.nbytes and (self._free or self.made < self.count):
+        if nbytes > self.nbytes:
+            raw = aio.aligned_empty(_aligned(nbytes))
+            self._extra.add(raw.untyped_storage().data_ptr())
+        elif self._free or self.made < self.count:
             if self._free:
                 raw = self._free.pop()
                 self._landing.pop(raw.untyped_storage().data_ptr(), _Done).synchronize()  # its upload is done
@@ -338,6 +357,7 @@ class SwapStore:
         self.staged: dict[int, tuple[str, torch.dtype]] = {}  # id(param placeholder) -> (file, dtype) of its init values
         self.bytes_read = 0
         self.bytes_written = 0
+        self.oversize = 0  # units larger than a pool buffer read in
         self.arenas: list[torch.Tensor] = []  # the update's staging buffers (zfunc.transforms.offload_nvme)
         self._mine: list[int] = []
         # set by offload_nvme: gradient placeholders by unit, whether the optimizer state goes to
@@ -412,27 +432,38 @@ class SwapStore:
 
     def read_now(self, out: torch.Tensor, file: SwapFile, offset: int = 0) -> torch.Tensor:
         self.settle()  # a resident write to this file may be in flight
-        if out.device.type != "cpu":  # e.g. an accumulator on the GPU: through host memory
-            return out.copy_(self.read_now(torch.empty(out.shape, dtype=out.dtype), file, offset))
+        if out.device.type != "cpu":  # e.g. an accumulator on the GPU: through host memory, a part at a time
+            flat, item = out.view(-1), out.element_size()
+            host = torch.empty(min(flat.numel(), self._part(item)), dtype=out.dtype)
+            for a, b in parts(flat.numel(), host.numel()):
+                flat[a:b].copy_(self.read_now(host[: b - a], file, offset + a * item))
+            return out
         with self._borrowed() as h:
             self._io(f"reading '{file.path}'", lambda: (h.pread(out, file.path, offset), h.wait()))
         self.bytes_read += out.numel() * out.element_size()
         return out
 
     def read_start(self, placeholder: torch.Tensor) -> dist.Pending:
-        """Start reading a unit's parameters into a pool buffer; ``wait()`` returns the buffer, or where
-        compute runs on a device (``self.dev.copies``) a device tensor the buffer is uploaded into."""
+        """Start reading a unit's parameters into a pool buffer (one of its own if it is larger);
+        ``wait()`` returns the buffer, or where compute runs on a device (``self.dev.copies``) a
+        device tensor the buffer is uploaded into (a larger unit: a pool buffer's worth at a time)."""
         _, file, offset = locate(placeholder)
         dev = self.dev
+        nbytes = placeholder.numel() * placeholder.element_size()
+        self.oversize += nbytes > self.pool.nbytes
         out = buffers.take(placeholder.numel(), placeholder.dtype, dev.device) if dev.copies else None
-        held = self.resident_buffer(file.path)
-        if held is not None and offset == 0 and held.numel() == placeholder.numel():
+        held = self.resident_buffer(file.path, offset, nbytes)
+        if held is not None:
             if out is not None:  # the update overwrites ``held`` only after this upload (quiesce)
                 dev.upload(out, held)
                 self.busy.append(dev.event())
                 return dist.Pending(out)
             buf = self.pool.take(placeholder.numel(), placeholder.dtype)
             return dist.Pending(buf.copy_(held))  # the resident sub-group's values, already in RAM
+        if self.resident is not None and file.path in self.resident.files:
+            self.settle()  # a piece of this file is resident: its write may be in flight
+        if out is not None and nbytes > self.pool.nbytes:
+            return self._read_through_pool(placeholder, file, offset, out)
         buf = self.pool.take(placeholder.numel(), placeholder.dtype)
         h = self._handle()
         self.faults.fire("read", h)
@@ -458,6 +489,61 @@ class SwapStore:
 
         return dist.Pending(buf if out is None else out, finish=finish)
 
+    def _read_through_pool(self, placeholder: torch.Tensor, file: SwapFile, offset: int, out: torch.Tensor
+                           ) -> dist.Pending:
+        """A unit larger than a pool buffer, bound for the device ``out``: read a pool buffer's worth
+        at a time, each part uploaded into its slice of ``out`` while the next two are read, so host
+        memory stays the pool whatever the unit's size."""
+        item = placeholder.element_size()
+        todo = iter(parts(placeholder.numel(), self.pool.nbytes // item))
+        flight = collections.deque()  # (start, stop, buffer, handle) of the reads in flight
+
+        def start() -> None:
+            part = next(todo, None)
+            if part is None:
+                return
+            a, b = part
+            buf, h = self.pool.take(b - a, placeholder.dtype), self._handle()
+            flight.append((a, b, buf, h))
+            self.faults.fire("read", h)
+            self._io(f"reading '{file.path}'", lambda: h.pread(buf, file.path, offset + a * item), self.UNCHANGED)
+            self.bytes_read += (b - a) * item
+
+        def drain() -> None:  # after a failure: nothing may still read into a buffer given back
+            while flight:
+                _, _, buf, h = flight.popleft()
+                with contextlib.suppress(OSError, EOFError):
+                    h.wait()
+                self._idle.append(h)
+                self.give(buf)
+
+        def finish() -> None:
+            try:
+                while flight:
+                    a, b, buf, h = flight[0]
+                    self._io(f"reading '{file.path}'", h.wait, self.UNCHANGED)
+                    flight.popleft()
+                    self._idle.append(h)
+                    self.dev.upload(out[a:b], buf)
+                    self.pool.give(buf, self.dev.event())  # read into again once this upload is done
+                    start()
+            except BaseException:
+                drain()
+                raise
+
+        try:
+            start()
+            start()
+        except BaseException:
+            drain()
+            raise
+        return dist.Pending(out, finish=finish)
+
+    def _part(self, itemsize: int) -> int:
+        """Elements of ``itemsize`` bytes in one pool buffer: the most a transfer through host memory
+        moves at once."""
+        return max(1, self.pool.nbytes // itemsize)
+
     def write(self, handle: aio.AsyncIO, data: torch.Tensor, placeholder: torch.Tensor, offset: int = 0,
               hint: str = "") -> None:
         """Queue writing ``data`` into ``placeholder``'s file at ``offset`` bytes past its own start."""
@@ -471,11 +557,12 @@ class SwapStore:
 
     # ---------------------------------------------------------- the resident sub-group
 
-    def resident_buffer(self, path: str) -> torch.Tensor | None:
-        return None if self.resident is None else self.resident.buffer(path)
+    def resident_buffer(self, path: str, offset: int, nbytes: int) -> torch.Tensor | None:
+        """The resident buffer holding exactly bytes ``offset`` to ``offset + nbytes`` of ``path``, or None."""
+        return None if self.resident is None else self.resident.buffer(path, offset, nbytes)
 
-    def keep_resident(self, slot: int, units, bufs: dict, handle, files: dict) -> None:
-        self.resident = Resident(slot, frozenset(units), bufs, handle, files)
+    def keep_resident(self, slot: int, pieces, bufs: dict, handle, files: dict) -> None:
+        self.resident = Resident(slot, frozenset(pieces), bufs, handle, files)
 
     def settle(self, *, quiet: bool = False) -> None:
         """Wait for the resident sub-group's writes. A failure means the files are partly updated:
@@ -507,9 +594,9 @@ class SwapStore:
         self.settle(quiet=quiet)
         self.resident = None
         for path in self.resident_grads:
-            key, offset = res.files[path]
+            key, offset, _ = res.files[path]
             if not self.closed:
-                self.write_now(res.bufs[key], self.grads[key[2]], offset)
+                self.write_now(res.bufs[key], self.grads[key[2][0]], offset)  # key[2]: (unit, start, stop)
         self.resident_grads = set()
 
     def give(self, buf: torch.Tensor) -> bool:
@@ -539,23 +626,25 @@ class SwapStore:
         buffers.trim()  # the unit's init temporaries go back to the OS before the next unit's
         return placeholder
 
-    def take_staged(self, placeholder: torch.Tensor) -> torch.Tensor | None:
-        """The init values ``stage`` wrote for this placeholder (then gone), or None."""
-        entry = self.staged.pop(id(placeholder), None)
-        if entry is None:
-            return None
-        path, dtype = entry
-        out = torch.empty(placeholder.numel(), dtype=dtype)
-        self.read_now(out, SwapFile(path, out.numel(), dtype))
-        os.unlink(path)
-        return out
+    def is_staged(self, placeholder: torch.Tensor) -> bool:
+        return id(placeholder) in self.staged
 
-    def finish_staged(self) -> None:
-        """Write every still-staged parameter into its swap file, in its stored dtype."""
+    def take_staged(self, placeholder: torch.Tensor, piece: int):
+        """The init values ``stage`` wrote for this placeholder, ``piece`` elements at a time:
+        ``(start, values)`` pairs; the staging file goes after the last."""
+        path, dtype = self.staged.pop(id(placeholder))
+        file = SwapFile(path, placeholder.numel(), dtype)
+        for a, b in parts(file.numel, piece):
+            yield a, self.read_now(torch.empty(b - a, dtype=dtype), file, a * dtype.itemsize)
+        os.unlink(path)
+
+    def finish_staged(self, piece: int) -> None:
+        """Write every still-staged parameter into its swap file, in its stored dtype, ``piece``
+        elements at a time."""
         for pid in list(self.staged):
             placeholder = _files[pid][2]
-            values = self.take_staged(placeholder)
-            self.write_now(values.to(placeholder.dtype), placeholder)
+            for a, values in self.take_staged(placeholder, piece):
+                self.write_now(values.to(placeholder.dtype), placeholder, a * placeholder.element_size())
 
     def write_now(self, data: torch.Tensor, placeholder: torch.Tensor, offset: int = 0) -> None:
         with self._borrowed() as h:
@@ -565,23 +654,28 @@ class SwapStore:
     def write_gradient(self, data: torch.Tensor, placeholder: torch.Tensor, stats: tuple[float, bool],
                        offset: int = 0) -> None:
         """Queue a unit's gradient (or its sum so far) into its file, one write in flight so memory
-        stays bounded; ``stats`` (sum of squares, finite) are what the step's agreement reads."""
+        stays bounded (from a device: a pool buffer's worth at a time); ``stats`` (sum of squares,
+        finite) are what the step's agreement reads."""
         self.grad_stats[id(placeholder)] = stats
-        data = self.to_host(data)
-        self.wait(self.writer, "writing gradients", self.UNCHANGED)
-        self.faults.fire("grad", self.writer)
-        self.write(self.writer, data, placeholder, offset, self.UNCHANGED)
+        item = data.element_size()
+        step = self._part(item) if self.dev.copies else max(1, data.numel())
+        for a, b in parts(data.numel(), step):
+            host = self.to_host(data[a:b])
+            self.wait(self.writer, "writing gradients", self.UNCHANGED)
+            self.faults.fire("grad", self.writer)
+            self.write(self.writer, host, placeholder, offset + a * item, self.UNCHANGED)
 
     def to_host(self, data: torch.Tensor) -> torch.Tensor:
-        """A device-side gradient in a pinned staging buffer, landed (as it is on the CPU). Two buffers
-        take turns: the write queued from the other may still be in flight, none from this one."""
+        """A device-side gradient (at most a pool buffer of it) in a pinned staging buffer, landed (as
+        it is on the CPU). Two buffers take turns: the write queued from the other may still be in
+        flight, none from this one."""
         if not self.dev.copies:
             return data
         nbytes = data.numel() * data.element_size()
         self._turn = k = 1 - self._turn
-        if self.staging[k].numel() < nbytes:
+        if self.staging[k].numel() < nbytes:  # made once, a pool buffer's size (a larger gradient comes in parts)
             self.staging[k] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
-            self.staging[k] = aio.aligned_empty(_aligned(nbytes))
+            self.staging[k] = aio.aligned_empty(max(_aligned(nbytes), self.pool.nbytes))
         return self.dev.fetch(self.staging[k][:nbytes].view(data.dtype), data)
 
     # --------------------------------------------------------------- lifecycle

@@ -297,12 +297,15 @@ class Params:
     overlap that forward as DDP's all-reduce overlaps backward.
     """
 
-    __slots__ = ("spec", "_leaves", "_filling")
+    __slots__ = ("spec", "_leaves", "_filling", "_starts")
 
-    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor | None], filling=None):
+    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor | None], filling=None, starts=None):
         self.spec = spec
         self._leaves = tuple(leaves)
         self._filling: dict[int, dist.Pending] = dict(filling or {})  # unit -> all-gather in flight
+        # unit -> where its leaf starts within the unit's home leaf, for a leaf that is a piece of it
+        # (offload_nvme updates a large unit a piece at a time)
+        self._starts: dict[int, int] = dict(starts or {})
 
     @property
     def leaves(self) -> tuple[torch.Tensor | None, ...]:
@@ -325,9 +328,10 @@ class Params:
         """Where each parameter of unit ``unit`` lies in its leaf, ``(start, stop)`` in the leaf's
         elements: the whole buffer's offsets, or a shard's (empty where the shard holds none of it)."""
         leaf = self._leaves[unit]
-        start = 0
+        start = self._starts.get(unit, 0)
         if self.spec.sharded[unit]:
-            start = layout.shard_start(dist.rank(self.spec.process_group), leaf.numel())
+            home = layout.home_numel(self.spec.segment(unit).padded, dist.world_size(self.spec.process_group), True)
+            start += layout.shard_start(dist.rank(self.spec.process_group), home)
         stop = start + leaf.numel()
         return [(min(max(e.offset, start), stop) - start, min(max(e.offset + e.numel, start), stop) - start)
                 for e in self.spec.segment(unit).entries]

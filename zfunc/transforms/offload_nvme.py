@@ -4,27 +4,33 @@
 ``offload_nvme(step, path)`` keeps, per unit, this rank's parameter shard (and
 its frozen parameters' shard), its gradient and every optimizer-state tensor
 (fp32 master, Adam's moments) in swap files under ``path/rank{r}/``
-(zfunc.swap). RAM holds a fixed pool of ``buffer_count`` read buffers, the
-units in use, and the update's staging sets (at most three sub-groups of
-``sub_group_size`` elements), whatever the model's size.
+(zfunc.swap). RAM holds a fixed pool of ``buffer_count`` read buffers of at
+most ``buffer_size`` elements, the units in use, and the update's three
+staging sets of at most ``min(sub_group_size, buffer_size)`` elements of each
+tensor, whatever the model's size and however large a unit.
 
 * init: each unit's shard is staged to disk as it is made (its frozen shard is
   written there once, in its stored dtype: nothing updates it); the optimizer
-  state is then built one unit at a time and written out, so init never holds
-  more than a unit either.
+  state is then built one unit at a time, a piece of at most the staging size
+  at a time, and written out, so init never holds more than a unit either.
 * forward and backward: a unit is read into a pool buffer ahead of use (the
   step's coordinator, zfunc.coordinator, issues the reads, then the
   all-gathers, along the order recorded in the first step), gathered if sharded, and its buffer returned after use; backward
-  re-reads it. Its gradient, once reduced, is written to its swap file at
+  re-reads it. A unit larger than a pool buffer is read into a buffer of its
+  own, which compute uses and drops (on a GPU it passes through the pool
+  buffers a part at a time instead: zfunc.swap). Its gradient, once reduced, is written to its swap file at
   once (``GradToDisk``), with its squared norm and inf/NaN check taken while
   it is in memory, so the step's one agreement on the norm reads nothing back.
-* update: units are streamed in sub-groups of at most ``sub_group_size``
-  elements (a larger unit is a sub-group of its own): the next sub-group's
-  master, moments and gradient are read while the current one is updated by
-  the inner optimizer (the fused CPU Adam), and the one before is written
-  back. The optimizer sees one sub-group at a time, other units stand in as
-  empty tensors with no gradient; its step count advances once per step.
-  Clipping folds into the step's ``GradInfo``, so it still sees the global norm.
+* update: units are streamed in sub-groups of at most ``min(sub_group_size,
+  buffer_size)`` elements, a larger unit cut into pieces of that size (Adam is
+  elementwise, as it is over a shard): the next sub-group's master, moments
+  and gradient are read while the current one is updated by the inner
+  optimizer (the fused CPU Adam), and the one before is written back. The
+  optimizer sees one sub-group at a time, other units stand in as empty
+  tensors with no gradient; its step count, and each unit's, advances once per
+  step. Clipping folds into the step's ``GradInfo``, so it still sees the global norm.
+  DeepSpeed's default ``sub_group_size=1e9`` would hold a 1B-parameter part's
+  whole state in RAM, more than offload_cpu; ``buffer_size`` caps it.
 * the last sub-group stays in its staging set (``SwapStore.resident``): its
   writes finish behind the step, the next forward reads its units from RAM,
   backward puts its gradients there instead of on disk, and the next update
@@ -35,8 +41,10 @@ units in use, and the update's staging sets (at most three sub-groups of
 
 On a GPU (nccl) the disk and the optimizer stay on the host: a unit read into a pinned
 pool buffer is uploaded to the group's device and gathered there, each gradient
-comes back into a pinned buffer before it is written, and the update runs on
-host tensors (zfunc.swap's ``Device`` holds the copies and their events).
+comes back into a pinned staging buffer of a pool buffer's size, a part at a
+time, before it is written, and the update runs on host tensors (zfunc.swap's
+``Device`` holds the copies and their events). Host memory there is the pool,
+the two staging buffers and the update's three sets, whatever the unit sizes.
 
 Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
@@ -118,53 +126,61 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=like.dtype)
 
 
-def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[int]]:
-    """Consecutive units in groups of at most ``limit`` elements (a larger unit alone)."""
+def _sub_groups(units: list[int], sizes: dict[int, int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """Consecutive pieces ``(unit, start, stop)`` of units in groups of at most ``limit`` elements: a
+    unit larger than ``limit`` is cut into pieces of ``limit`` (the update is elementwise, as it is
+    over a shard), so no group, and no staging set, ever holds more."""
     groups, current, n = [], [], 0
     for i in units:
-        if current and n + sizes[i] > limit:
-            groups.append(current)
-            current, n = [], 0
-        current.append(i)
-        n += sizes[i]
+        for a, b in swap.parts(sizes[i], limit):
+            if current and n + b - a > limit:
+                groups.append(current)
+                current, n = [], 0
+            current.append((i, a, b))
+            n += b - a
     if current:
         groups.append(current)
     return groups
 
 
+def piece_size(sub_group_size: int, buffer_size: int) -> int:
+    """Elements the update (and init) holds of each state tensor at once: ``sub_group_size``, at most
+    ``buffer_size``; whole 4 KiB pages of any dtype where it is that large, so pieces start where
+    direct I/O can."""
+    n = min(sub_group_size, buffer_size)
+    return n - n % 4096 if n >= 4096 else n
+
+
 # ---------------------------------------------------------------- the update
 
 
-def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
-    """``optimizer`` over state held in swap files, run one sub-group of units at a time."""
+def swapped_optimizer(optimizer: Optimizer, piece: int) -> Optimizer:
+    """``optimizer`` over state held in swap files, run one sub-group of at most ``piece`` elements
+    at a time (``piece_size``); init makes a unit's state ``piece`` elements at a time too."""
 
     def init(params: Params):
         store = swap.store_of(params.spec.swap)
         leaves = params.leaves
         merged, specs, treedef, kinds = None, None, None, None  # leaves per node, gathered unit by unit
-        t = None
         for i, leaf in enumerate(leaves):
-            staged = store.take_staged(leaf) if swap.on_disk(leaf) else None
-            values = leaf.cpu() if staged is None else staged  # the state is made on the host
-            one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
-            nodes, treedef = _flatten(optimizer.init(one))
-            if merged is None:
-                merged = [list(n.leaves) if isinstance(n, Params) else n for n in nodes]
-                specs = [n.spec if isinstance(n, Params) else None for n in nodes]
-                kinds = _kinds(treedef.unflatten(nodes))
-            for k, node in enumerate(nodes):
-                if not isinstance(node, Params):
-                    continue
-                t = node.leaves[i]
-                if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel() and not is_count(t):
-                    placeholder = store.create(i, params.spec.model.units[i].name, kinds[k], t.numel(), t.dtype,
-                                               store.offsets[i])
-                    store.write_now(t, placeholder)
-                    t = placeholder
-                merged[k][i] = t
-            if staged is not None:
-                store.write_now(staged.to(leaf.dtype), leaf)
-            del one, nodes, values, staged, t
+            # the state is made on the host, a piece at a time where it goes to disk (whole where it stays in RAM)
+            step = piece if params.spec.placements[i].opt_home == NVME else max(1, leaf.numel())
+            staged = store.is_staged(leaf)
+            pieces = (store.take_staged(leaf, step) if staged
+                      else ((a, leaf[a:b].cpu()) for a, b in swap.parts(leaf.numel(), step)))
+            for start, values in pieces:
+                one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
+                nodes, treedef = _flatten(optimizer.init(one))
+                if merged is None:
+                    merged = [list(n.leaves) if isinstance(n, Params) else n for n in nodes]
+                    specs = [n.spec if isinstance(n, Params) else None for n in nodes]
+                    kinds = _kinds(treedef.unflatten(nodes))
+                for k, node in enumerate(nodes):
+                    if isinstance(node, Params):
+                        merged[k][i] = _keep_state(store, params, i, kinds[k], node.leaves[i], merged[k][i], start)
+                if staged:
+                    store.write_now(values.to(leaf.dtype), leaf, start * leaf.element_size())
+                del one, nodes, values
             trim_heap()  # this unit's temporaries go back to the OS before the next unit's
         nodes = [Params(spec, merged[k]) if spec is not None else merged[k] for k, spec in enumerate(specs)]
         return SwapState(store, treedef.unflatten(nodes))
@@ -173,17 +189,37 @@ def swapped_optimizer(optimizer: Optimizer, sub_group_size: int) -> Optimizer:
                lowp_params=None):
         if lowp_params is not None:
             raise ValueError("offload_nvme goes outside mixed_precision: zeroN(offload_nvme(mixed_precision(f)))")
-        return _Update(optimizer, grads, opt_state, params, info, sub_group_size).run()
+        return _Update(optimizer, grads, opt_state, params, info, piece).run()
 
     return Optimizer(init, update, fuses=True)
 
 
+def _keep_state(store: swap.SwapStore, params: Params, i: int, kind: str, t: torch.Tensor, kept, start: int):
+    """Unit ``i``'s state tensor ``t`` as init made it for the piece at element ``start``: where the
+    state lives on disk, written into its swap file (made at the first piece) and that file's
+    placeholder returned; else ``t`` itself (a per-unit counter: the first piece's)."""
+    if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel() and not is_count(t):
+        if start == 0:
+            kept = store.create(i, params.spec.model.units[i].name, kind, params.leaves[i].numel(), t.dtype,
+                                store.offsets[i])
+        store.write_now(t, kept, start * t.element_size())
+        return kept
+    return t if start == 0 else kept
+
+
+def _held(bufs: dict, key, in_memory):
+    """A piece's tensor: its staging buffer if it came from disk, else ``in_memory()`` (a view)."""
+    return bufs[key] if key in bufs else in_memory()
+
+
 class _Update:
-    """One streamed update: sub-group k computes while k+1 is read and k-1 written."""
+    """One streamed update: sub-group k computes while k+1 is read and k-1 written. A sub-group is a
+    list of pieces ``(unit, start, stop)``: elements ``start:stop`` of the unit's parameters,
+    gradient and state tensors."""
 
     SLOTS = 3
 
-    def __init__(self, optimizer, grads: Params, opt_state: SwapState, params: Params, info, sub_group_size: int):
+    def __init__(self, optimizer, grads: Params, opt_state: SwapState, params: Params, info, piece: int):
         self.optimizer, self.info = optimizer, info
         self.store = opt_state.store
         self.store.check_usable()
@@ -194,79 +230,104 @@ class _Update:
         self.final = {k: list(self.nodes[k].leaves) for k in self.pnodes}
         self.read_params = master_weights(opt_state.inner) is None  # else parameters are only written
         live = [i for i, g in enumerate(self.g) if g is not None and self.p[i].numel()]
-        self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, sub_group_size)
+        self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, piece)
 
-    # which tensors of unit i come from disk: (role, key, placeholder, read?)
-    def _disk_tensors(self, i: int):
+    # which tensors of a piece come from disk: (role, key, placeholder view, read?)
+    def _disk_tensors(self, piece):
+        i, a, b = piece
         out = []
         if swap.on_disk(self.p[i]):
-            out.append(("p", None, self.p[i], self.read_params))
+            out.append(("p", None, self.p[i][a:b], self.read_params))
         if swap.on_disk(self.g[i]):
-            out.append(("g", None, self.g[i], True))
+            out.append(("g", None, self.g[i][a:b], True))
         for k in self.pnodes:
             t = self.nodes[k].leaves[i]
             if swap.on_disk(t):
-                out.append(("o", k, t, True))
+                out.append(("o", k, t[a:b], True))
         return out
 
+    def _plan(self, group) -> tuple[list, list[int]]:
+        """``group``'s tensors from disk, (piece, role, key, placeholder view, read?), and their aligned
+        sizes in a staging set."""
+        plan = [(piece, *x) for piece in group for x in self._disk_tensors(piece)]
+        return plan, [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
+
     def _read(self, group, slot: int, handle, held=frozenset()):
-        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, unit).
+        """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, piece).
         Files in ``held`` already have their values there (the resident sub-group): not read."""
-        plan = [(i, *x) for i in group for x in self._disk_tensors(i)]
-        sizes = [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
+        plan, sizes = self._plan(group)
         arena = self._arena(slot, sum(sizes))
         bufs, off = {}, 0
-        for (i, role, key, t, read), size in zip(plan, sizes):
+        for (piece, role, key, t, read), size in zip(plan, sizes):
             buf = arena[off : off + t.numel() * t.element_size()].view(t.dtype)
             off += size
             _, file, base = swap.locate(t)
             if read and file.path not in held:
                 self.store._io(f"reading '{file.path}'", lambda: handle.pread(buf, file.path, base))
                 self.store.bytes_read += buf.numel() * buf.element_size()
-            bufs[role, key, i] = buf
+            bufs[role, key, piece] = buf
         return bufs
 
     def _arena(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Staging set ``slot``, made at once as large as the largest sub-group needs: one that grew
+        step by step would leave each smaller one behind in a pinned-memory cache (CUDA's)."""
         arenas = self.store.arenas
         while len(arenas) <= slot:
             arenas.append(torch.empty(0, dtype=torch.uint8))
         if arenas[slot].numel() < nbytes:
             arenas[slot] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
-            arenas[slot] = swap.aio.aligned_empty(nbytes)
+            arenas[slot] = swap.aio.aligned_empty(max([nbytes, *(sum(self._plan(g)[1]) for g in self.groups)]))
         return arenas[slot]
 
     def _compute(self, group, bufs):
-        """The inner optimizer over ``group``; the other units are empty and have no gradient."""
-        members = set(group)
-        p = [(bufs[("p", None, i)] if ("p", None, i) in bufs else self.p[i].cpu()) if i in members
-             else _empty(self.p[i]) for i in range(len(self.p))]  # a leaf on the device: a host copy
-        g = [bufs.get(("g", None, i), self.g[i]) if i in members else None for i in range(len(self.g))]
+        """The inner optimizer over ``group``'s pieces; the other units are empty and have no gradient.
+        Returns what it was handed and what it returned, (parameters, state nodes) each."""
+        at = {i: (i, a, b) for i, a, b in group}
+        starts = {i: a for i, a, _ in group}  # where each piece lies in its unit's leaf: its parameters' ranges
+        p, g = [], []
+        for i, (leaf, grad) in enumerate(zip(self.p, self.g)):
+            piece = at.get(i)
+            if piece is None:
+                p.append(_empty(leaf))
+                g.append(None)
+                continue
+            _, a, b = piece
+            p.append(_held(bufs, ("p", None, piece), lambda: leaf[a:b].cpu()))  # a leaf on the device: a host copy
+            g.append(_held(bufs, ("g", None, piece), lambda: grad[a:b]))
         nodes = list(self.nodes)
         for k in self.pnodes:
-            leaves = self.nodes[k].leaves
-            nodes[k] = Params(self.nodes[k].spec, [
-                bufs.get(("o", k, i), t) if i in members else (_empty(t) if t.dim() else t)
-                for i, t in enumerate(leaves)])
+            leaves = []
+            for i, t in enumerate(self.nodes[k].leaves):
+                piece = at.get(i)
+                if piece is None:
+                    leaves.append(_empty(t) if t.dim() else t)
+                elif is_count(t):  # step counts (per unit or per parameter): each piece advances a copy of
+                    leaves.append(t.clone())  # the unit's counts as they were before the update
+                else:
+                    leaves.append(_held(bufs, ("o", k, piece), lambda: t[piece[1]:piece[2]]))
+            nodes[k] = Params(self.nodes[k].spec, leaves, starts=starts)  # the master weights, under mixed precision
         info = None if self.info is None else replace(self.info)  # each group folds anew
         new_p, new_state = apply_update(self.optimizer, Params(self.grads.spec, g), self.treedef.unflatten(nodes),
-                                        Params(self.params.spec, p), info=info)
-        return new_p.leaves, _flatten(new_state)[0]
+                                        Params(self.params.spec, p, starts=starts), info=info)
+        return (p, nodes), (new_p.leaves, _flatten(new_state)[0])
 
-    def _write_back(self, group, bufs, new_p, new_nodes, handle) -> None:
-        for i in group:
+    def _write_back(self, group, bufs, handed, returned, handle) -> None:
+        (p_in, nodes_in), (new_p, new_nodes) = handed, returned
+        for piece in group:
+            i, a, b = piece
             if swap.on_disk(self.p[i]):
-                self._write(handle, bufs, ("p", None, i), new_p[i], self.p[i])
-            elif new_p[i] is not self.p[i]:
-                self.p[i].copy_(new_p[i])  # into the device's copy: a blocking upload
+                self._write(handle, bufs, ("p", None, piece), new_p[i], self.p[i][a:b])
+            elif new_p[i] is not p_in[i]:
+                self.p[i][a:b].copy_(new_p[i])  # into the device's copy: a blocking upload
             for k in self.pnodes:
                 old, new = self.nodes[k].leaves[i], new_nodes[k].leaves[i]
                 if swap.on_disk(old):
-                    self._write(handle, bufs, ("o", k, i), new, old)
-                elif old.dim():
-                    if new is not old:
-                        old.copy_(new)
+                    self._write(handle, bufs, ("o", k, piece), new, old[a:b])
+                elif not is_count(old):
+                    if new is not nodes_in[k].leaves[i]:
+                        old[a:b].copy_(new)
                 else:
-                    self.final[k][i] = new  # a per-unit counter
+                    self.final[k][i] = new  # step counts: every piece advanced the same copy's worth
 
     def _write(self, handle, bufs, key, new, placeholder) -> None:
         buf = bufs.get(key)
@@ -284,10 +345,10 @@ class _Update:
         res = store.resident
         if res is None or not groups:
             return groups, 0, frozenset()
-        if set(groups[0]) != res.units and set(groups[-1]) == res.units:
+        if set(groups[0]) != res.pieces and set(groups[-1]) == res.pieces:
             groups.reverse()
-        if set(groups[0]) == res.units:
-            held = {path for path, (key, _) in res.files.items() if key[0] != "g" or path in store.resident_grads}
+        if set(groups[0]) == res.pieces:
+            held = {path for path, (key, _, _) in res.files.items() if key[0] != "g" or path in store.resident_grads}
             return groups, res.slot, frozenset(held)
         store.drop_resident()
         return groups, 0, frozenset()
@@ -303,19 +364,20 @@ class _Update:
         new_nodes, wrote = None, False
         try:
             if not groups:  # no unit has a gradient: only the step count moves
-                _, new_nodes = self._compute([], {})
+                _, (_, new_nodes) = self._compute([], {})
             else:
                 bufs = self._read(groups[0], first, reader, held)
                 store.wait(reader, "reading the optimizer state")
                 for n, group in enumerate(groups):
                     last = n + 1 == len(groups)
                     ahead = None if last else self._read(groups[n + 1], (first + n + 1) % self.SLOTS, reader)
-                    new_p, new_nodes = self._compute(group, bufs)
+                    handed, returned = self._compute(group, bufs)
+                    new_nodes = returned[1]
                     store.wait(writer, "writing the optimizer state")
                     wrote = True
                     handle = store._handle() if last else writer
                     store.faults.fire("update", handle)
-                    self._write_back(group, bufs, new_p, new_nodes, handle)
+                    self._write_back(group, bufs, handed, returned, handle)
                     if last:
                         store.keep_resident((first + n) % self.SLOTS, group, bufs, handle, self._files(group))
                     store.wait(reader, "reading the optimizer state")
@@ -337,12 +399,12 @@ class _Update:
         return Params(self.params.spec, self.p), SwapState(store, self.treedef.unflatten(nodes))
 
     def _files(self, group) -> dict:
-        """file -> ((role, key, unit), byte offset) for the buffers of ``group``'s staging set."""
+        """file -> ((role, key, piece), byte offset, bytes) of the buffers of ``group``'s staging set."""
         out = {}
-        for i in group:
-            for role, key, t, _ in self._disk_tensors(i):
+        for piece in group:
+            for role, key, t, _ in self._disk_tensors(piece):
                 _, file, base = swap.locate(t)
-                out[file.path] = ((role, key, i), base)
+                out[file.path] = ((role, key, piece), base, t.numel() * t.element_size())
         return out
 
 
@@ -370,7 +432,7 @@ class GradToDisk(GradOffHome):
             offset = data.storage_offset() * g.element_size()
         self.written.add(i)
         path = store.file_of(placeholder).path
-        held = store.resident_buffer(path)
+        held = store.resident_buffer(path, offset, data.numel() * data.element_size())
         if held is not None:  # its sub-group is resident: the update reads it from there
             store.grad_stats[id(placeholder)] = stats
             store.dev.fetch(held, data)
@@ -395,7 +457,8 @@ class OffloadNvme(Transform):
         self.prefetch = prefetch  # the coordinator's settings, if given here
         self.faults = faults  # disk errors armed by a test (swap.Faults), or None
         self.path, self.params, self.optimizer = path, params, optimizer
-        self.buffer_count, self.buffer_size, self.sub_group_size = buffer_count, buffer_size, sub_group_size
+        self.buffer_count, self.buffer_size = buffer_count, buffer_size
+        self.piece = piece_size(sub_group_size, buffer_size)  # elements of each state tensor the update holds at once
         self.aio = aio
 
     @property
@@ -414,7 +477,7 @@ class OffloadNvme(Transform):
                        param_home=NVME if self.params else p.param_home)
 
     def wrap_optimizer(self, optimizer):
-        return swapped_optimizer(optimizer, self.sub_group_size)
+        return swapped_optimizer(optimizer, self.piece)
 
     def wrap_grad(self, grad_fn):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
@@ -482,28 +545,65 @@ class OffloadNvme(Transform):
             shard_start = layout.shard_start(r, layout.shard_numel(padded, w))
             sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
                           shard_start if n_grad != padded else 0))
-        largest, _, name = max(on_disk, default=(0, 0, ""))
-        if largest > self.buffer_size:
-            raise ValueError(f"offload_nvme: unit {name or '<root>'!r} holds {largest} elements on this rank, more "
-                             f"than buffer_size={self.buffer_size}; raise buffer_size or make smaller units")
+        # a pool buffer: the largest file, at most buffer_size elements (a larger unit is read past the pool)
+        buffer_bytes = max((min(nbytes, self.buffer_size * (nbytes // n)) for n, nbytes, _ in on_disk if n), default=0)
+        device = swap.device_for(dist.device_of(group))
+        _check_host_memory(self._host_bytes(spec, places, w, buffer_bytes, per_elem, accumulates, device.copies))
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
-                               buffer_bytes=max((nbytes for _, nbytes, _ in on_disk), default=0), faults=self.faults,
-                               device=swap.device_for(dist.device_of(group)))
+                               buffer_bytes=buffer_bytes, faults=self.faults, device=device)
         store.reserve(need)
         store.offsets = [s[3] for s in sizes]
         for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
             if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
                 dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
                 store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
-        return _DiskHome(store, r)
+        return _DiskHome(store, r, self.piece)
+
+    def _host_bytes(self, spec, places, w: int, buffer_bytes: int, per_elem: int, accumulates: bool,
+                    copies: bool) -> dict[str, int]:
+        """What this rank's host memory must hold at least, by part: the read pool, the update's
+        staging sets (at most three of ``piece`` elements of parameters, gradients and optimizer
+        state), the gradients' two staging buffers from a device, and the largest unit gathered
+        where compute runs on the CPU."""
+        per_piece, total, largest = 0, 0, 0
+        for unit, place in zip(spec.units, places):
+            item = (place.param_dtype or unit.trainable.dtype).itemsize
+            per_piece = max(per_piece, item * self.params + (4 if accumulates else item) + per_elem * self.optimizer)
+            total += layout.home_numel(unit.trainable.padded, w, place.opt_sharded or place.params_sharded)
+            largest = max(largest, unit.trainable.padded * item)
+        held = min(self.piece, total)
+        sets = min(_Update.SLOTS, -(-total // held)) if held else 0
+        out = {"read pool": self.buffer_count * buffer_bytes, "update staging": sets * held * per_piece}
+        out["largest unit" if not copies else "gradient staging"] = largest if not copies else 2 * buffer_bytes
+        return out
+
+
+def _check_host_memory(needs: dict[str, int]) -> None:
+    """Raise, saying how much is needed, where this machine's available memory cannot hold what
+    offload_nvme keeps in RAM (``OffloadNvme._host_bytes``)."""
+    free, total = _available_memory(), sum(needs.values())
+    if free is not None and total > free:
+        parts = ", ".join(f"{k} {v}" for k, v in needs.items())
+        raise MemoryError(f"offload_nvme needs at least {total} bytes of host memory on this rank ({parts}), "
+                          f"{total - free} more than the {free} bytes available: lower buffer_count, buffer_size "
+                          "or sub_group_size, or make smaller units")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable``), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 class _DiskHome:
     """``Step.init``'s leaves of units whose parameters live on disk, written as they are made
     (``Transform.init_home``)."""
 
-    def __init__(self, store: swap.SwapStore, rank: int):
-        self.store, self.key, self.rank = store, store.key, rank
+    def __init__(self, store: swap.SwapStore, rank: int, piece: int):
+        self.store, self.key, self.rank, self.piece = store, store.key, rank, piece
 
     def keep(self, i: int, unit, place: Placement, leaf: torch.Tensor, frozen: bool) -> torch.Tensor:
         if place.param_home != NVME or not leaf.numel():
@@ -515,7 +615,7 @@ class _DiskHome:
         return self.store.put(i, unit.name, "frozen", stored, start)
 
     def finish(self) -> None:
-        self.store.finish_staged()  # what the optimizer's init did not write (an eval step's init)
+        self.store.finish_staged(self.piece)  # what the optimizer's init did not write (an eval step's init)
         trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
 
 
@@ -538,8 +638,10 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     ``params``: parameter shards on disk too (needs zero3, or no stage);
     ``optimizer``: the optimizer state on disk (else in RAM, as offload_cpu);
     ``buffer_count`` x ``buffer_size`` (elements): the pool units are read
-    into; ``sub_group_size``: elements the update holds at once (each of three
-    staging sets); ``aio``: DeepSpeed's ``aio`` config section for
+    into (a larger unit gets a buffer of its own while it is used, or on a
+    GPU passes through the pool); ``sub_group_size``: elements of each tensor
+    the update holds at once, at most ``buffer_size`` (each of three staging
+    sets; a larger unit is updated in pieces); ``aio``: DeepSpeed's ``aio`` config section for
     ``zfunc.ops.aio``. The state owns its files: ``state.close()`` (or a
     ``with`` block) removes them; so does interpreter exit.
     ``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``,
