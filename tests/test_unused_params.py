@@ -117,6 +117,22 @@ def test_mixed_precision_and_every_offload(world, tmp_path):
 
 
 @pytest.mark.parametrize("world", [1, 2])
+def test_offload_nvme_updating_a_unit_in_pieces_keeps_each_parameters_count(world, tmp_path):
+    """offload_nvme updates a unit a piece at a time (here 16 elements, so ``sometimes``'s root unit
+    of 86 is six pieces, ``extra`` spanning three): each piece updates only the parameters in it
+    that got a gradient, with their own counts, bit for bit the step without offload and equal to
+    torch, in fp32 and bf16."""
+    name, init = "sometimes", _init("sometimes")
+    nvme = {"kind": "nvme", "path": str(tmp_path / "swap"), "params": True, "sub_group_size": 16}
+    for precision, equals in ((None, _fp32_equals_torch), (BF16, _bf16_equals_torch)):
+        expected = _expected(name, world, torch.float32 if precision is None else torch.bfloat16)
+        plain = workers(world).run(run_composed, *_args(name, 3, precision))
+        for a, b in zip(plain, workers(world).run(run_composed, *_args(name, 3, precision, offload=nvme))):
+            equals(name, b["params"], expected, init)
+            _same(a, b)
+
+
+@pytest.mark.parametrize("world", [1, 2])
 def test_fp32_offload_with_sgd(world, tmp_path):
     """SGD's momentum buffers under offload, zero1 and zero3, equal torch and, bit for bit, the
     step without it (``_comparable``)."""
