@@ -56,18 +56,32 @@ def _status(key: str) -> int:
 
 def worker(args, mode: str, path: str, swap: str) -> dict:
     import zfunc as zf
-    from safetensors.torch import load_file
 
     step = zf.zero3(zf.offload_nvme(zf.train_step(lambda p, x: 0, zf.optim.adamw(1e-3)), swap))
     warm = llama(argparse.Namespace(layers=1, width=64, vocab=64), "meta")
     step.init(warm).close()  # the code paths and native ops, loaded before the baseline
+    state, seconds, peak = measured(lambda: load(args, mode, path, step))
+    params = sum(u.trainable.numel for u in state.params.spec.model.units)
+    state.close()
+    return {"peak": peak, "seconds": seconds, "params": params}
+
+
+def measured(fn):
+    """``fn()``, the seconds it took and the peak RSS it added to the process (VmHWM, reset first)."""
     before = _status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
     start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start, _status("VmHWM:") - before
+
+
+def load(args, mode: str, path: str, step):
+    from safetensors.torch import load_file
+
     if mode == "weights":
-        state = step.init(llama(args, "meta"), weights=path)
-    elif mode == "init_fn":
+        return step.init(llama(args, "meta"), weights=path)
+    if mode == "init_fn":
         tensors = load_file(path)
         model = llama(args, "meta")
         names = {id(m): n for n, m in model.named_modules()}
@@ -82,16 +96,10 @@ def worker(args, mode: str, path: str, swap: str) -> dict:
 
         state = step.init(model, init_fn=init_fn)
         del tensors
-    else:
-        model = llama(args, "cpu")
-        model.load_state_dict(load_file(path), strict=False)
-        state = step.init(model)
-        del model
-    seconds = time.perf_counter() - start
-    peak = _status("VmHWM:") - before
-    params = sum(u.trainable.numel for u in state.params.spec.model.units)
-    state.close()
-    return {"peak": peak, "seconds": seconds, "params": params}
+        return state
+    model = llama(args, "cpu")
+    model.load_state_dict(load_file(path), strict=False)
+    return step.init(model)
 
 
 def main():
