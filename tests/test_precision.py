@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from cases import reference, reference_mixed, run_composed
+from models import build
 from test_zero_equivalence import assert_close_to
 from workers import workers
 
@@ -95,7 +96,8 @@ def test_model_state_bytes_follow_zero_formulas(stage, world):
     for r in workers(world).run(run_composed, "deep_mlp", kw, stage, 1, 2, 0, {"dtype": torch.bfloat16}):
         psi = sum(padded for _, _, padded in r["units"])  # parameters plus the padding to a multiple of W
         held = r["memory"]["param_bytes"] + r["history"][-1]["grad_bytes"] + r["memory"]["optimizer_bytes"]
-        counters = 8 * (len(r["units"]) + 1)  # AdamW's int64 step count per unit, and its update count
+        # AdamW's int64 step count per parameter, and its update count
+        counters = 8 * (sum(p.requires_grad for p in build("deep_mlp", **kw).parameters()) + 1)
         assert held == formula * psi + counters
 
 

@@ -16,6 +16,8 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import zfunc as zf
 from cases import reference, reference_mixed, run_composed
@@ -228,3 +230,34 @@ def test_a_format_2_checkpoint_gives_each_parameter_its_units_count(tmp_path, mo
     assert manifest["format"] == 2
     assert [t.tolist() for t in fresh.opt_state.steps.leaves] == [[5 + i] * len(t) for i, t in
                                                                    enumerate(steps.leaves)]
+
+
+class Unread(nn.Module):
+    """A pipeline layer whose forward never reads its bias."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=g) * 0.3)
+        self.bias = nn.Parameter(torch.randn(4, generator=g) * 0.1)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.t())
+
+
+def pipeline_steps() -> dict:
+    """Two steps of a two-stage pipeline of ``Unread`` layers: which of this stage's parameters moved."""
+    pipe = zf.PipelineModule([zf.LayerSpec(Unread), zf.LayerSpec(Unread)], 2, F.mse_loss)
+    engine = zf.initialize(pipe, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}})
+    before = engine.params()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        engine.train_batch(iter([(torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)) for _ in range(2)]))
+    return {k: not torch.equal(v, before[k]) for k, v in engine.params().items()}
+
+
+def test_a_pipeline_stage_leaves_what_its_layers_do_not_read():
+    for moved in workers(2).run(pipeline_steps):
+        assert moved and all(v == (not k.endswith("bias")) for k, v in moved.items()), moved

@@ -174,7 +174,8 @@ class Program:
 
     def run(self, anchors, probes, leaves, frozen, buffers, batch):
         tensors = {}
-        for (gather, scatter, reduce_dtype, segment), anchor, probe, leaf in zip(self.units, anchors, probes, leaves):
+        for (gather, scatter, reduce_dtype, segment), anchor, probe, leaf in zip(self.units, anchors, probes,
+                                                                                  leaves):
             if segment.entries:
                 full = _Unit.apply(anchor, leaf, gather, scatter, reduce_dtype or leaf.dtype, self.group, self.w)
                 tensors.update((name, _Seen.apply(view, probe, k))

@@ -125,8 +125,9 @@ class PipelineEngine(Loop):
 
     def _run(self, program, micro: list, buffers: dict, train: bool, scale: float | None = None):
         """Execute ``program``; returns (this stage's losses per micro-batch, gradients or None, the
-        peak bytes of units materialized at once, which parameters got a gradient: ``GradOut.live``). ``buffers``: the step's fresh buffers (``Step.begin``);
-        ``scale``: fp16's loss scale, applied to the last stage's losses before backward."""
+        peak bytes of units materialized at once, which parameters got a gradient: ``GradOut.live``).
+        ``buffers``: the step's fresh buffers (``Step.begin``); ``scale``: fp16's loss scale, applied
+        to the last stage's losses before backward."""
         state, module = self.state, self.module
         inputs, outputs, out_grads, labels, losses = {}, {}, {}, {}, {}
         grads_sent: set[int] = set()  # micro-batches whose input gradients went back inside their backward
@@ -249,7 +250,8 @@ class PipelineEngine(Loop):
         """Per unit, which parameters got a gradient on some replica of this stage, or, for a tied
         module, on some stage holding it (whose gradients ``_reduce_tied`` summed): those the
         update leaves out get none (``GradInfo.live``)."""
-        flags = torch.tensor(live_flags(grads, live), dtype=torch.float64, device=dist.device_of(self.grid.data_group))
+        flags = torch.tensor(live_flags(grads, live), dtype=torch.float64,
+                             device=dist.device_of(self.grid.data_group))
         dist.all_reduce_sum(flags, self.grid.data_group)
         starts = [0]
         for i in range(len(grads.spec.sharded)):
