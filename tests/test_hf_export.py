@@ -8,7 +8,6 @@ buffers); every shard must be byte for byte the file ``safetensors.torch.save_fi
 its tensors; the split must be huggingface_hub's.
 """
 import importlib.util
-import inspect
 import json
 import os
 import re
@@ -26,8 +25,8 @@ from zfunc import hf_export, hf_files
 from models import batch, build, local, loss
 from workers import workers
 
-transformers = pytest.importorskip("transformers")  # the [test] extra installs it
-safetensors = pytest.importorskip("safetensors.torch")
+import transformers  # noqa: E402  the [test] extra installs it
+import safetensors.torch as safetensors  # noqa: E402
 SHARD = 3000  # bytes: every model here is written in several shards
 HF_KEYS: dict[str, set] = {}
 
@@ -364,9 +363,6 @@ def test_consolidate_safetensors_is_the_exported_file(tmp_path):
     assert not re.search(r"\.tmp-", " ".join(os.listdir(tmp_path)))
 
 
-@pytest.mark.skipif("weights" not in inspect.signature(zf.Step.init).parameters,
-                    reason="examples/hf_finetune.py loads its folder with step.init(model, weights=...), which this "
-                           "zfunc does not have yet")
 def test_the_finetune_example_loads_trains_and_exports(tmp_path, monkeypatch, capsys):
     """examples/hf_finetune.py (run here, not in a new process: imports are most of its time): a random
     Llama written with save_pretrained, built on the meta device, loaded through weights=, two steps

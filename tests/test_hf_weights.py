@@ -19,8 +19,8 @@ import zfunc as zf
 from test_zero_equivalence import assert_close_to
 from workers import fresh_workers, workers
 
-transformers = pytest.importorskip("transformers")
-safetensors = pytest.importorskip("safetensors.torch")
+import transformers  # noqa: E402  the [test] extra installs it
+import safetensors.torch as safetensors  # noqa: E402
 SHARD = "20KB"  # each tiny model in 2-4 files
 LR = 1e-3
 
