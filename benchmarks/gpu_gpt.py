@@ -196,11 +196,16 @@ def infinity_param_buffers(model, zero):
     with "Not enough buffers 0 for swapping 1" once a prefetch asks for more parameters than there
     are buffers. Every buffer holds the largest parameter (the head, 1.03e8); there are as many as
     a prefetch bucket and the parameters in use at once can ask for (two blocks' worth, plus the
-    embeddings and head), and prefetching is capped at one block so that count holds."""
+    embeddings and head), and prefetching and the parameters kept live are capped so that count holds
+    (on an H200 the pool alone still ran out: max_live_parameters kept 1e9 elements live)."""
     threshold = zero.setdefault("stage3_param_persistence_threshold", int(1e5))
     swapped = lambda m: [p for p in m.parameters() if p.numel() > threshold]  # noqa: E731  small ones stay on the GPU
     block = max((swapped(b) for b in model.blocks), key=lambda ps: sum(p.numel() for p in ps))
     zero["stage3_prefetch_bucket_size"] = sum(p.numel() for p in block)
+    # parameters stay live (holding their buffers) up to max_live_parameters, 1e9 by default: about 20
+    # of these blocks, far more than the pool; cap them at the two blocks the pool is sized for
+    zero["stage3_max_live_parameters"] = 2 * zero["stage3_prefetch_bucket_size"]
+    zero["stage3_max_reuse_distance"] = zero["stage3_prefetch_bucket_size"]
     return dict(buffer_size=max(int(1e8), max(p.numel() for p in model.parameters())),
                 buffer_count=2 * len(block) + 4)
 

@@ -273,12 +273,16 @@ print("ok")
 """
 
 
-def test_native_checks_raise_in_a_process_of_their_own():
+@pytest.mark.parametrize("beside_real_kernel", [False, True])
+def test_native_checks_raise_in_a_process_of_their_own(beside_real_kernel):
     """The kernel's own checks (its last line, behind ``check_lists``) raise RuntimeError: run
-    in a child process that also loads the real kernel where one is built, so a crash fails
-    this test, naming its signal, instead of the whole run."""
+    in a child process, alone and beside the real kernel where one is built, so a crash fails
+    this test, naming its signal and (faulthandler) where, instead of the whole run. On an H200
+    the child beside the real kernel died of SIGSEGV with nothing on stderr."""
     assert cuda_adam.emulated() is not None, _row(cuda_adam.NAME + "_emulated")["reason"]  # built here, once
-    proc = subprocess.run([sys.executable, "-c", _NATIVE_CHECKS], capture_output=True, text=True, timeout=300)
+    code = _NATIVE_CHECKS if beside_real_kernel else _NATIVE_CHECKS.replace("if torch.cuda.is_available():", "if False:")
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (
         f"exit status {proc.returncode} (negative: killed by that signal)\n{proc.stdout}\n{proc.stderr[-3000:]}")
 

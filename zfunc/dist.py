@@ -354,6 +354,21 @@ def device_of(group=None) -> torch.device:
     return torch.device("cpu")
 
 
+_compute: dict = {}
+
+
+def set_compute_device(group, device: torch.device) -> None:
+    """Record where the states of steps over ``group`` compute (``Step.init``'s device): under
+    gloo that may be a GPU, which ``device_of`` (the collectives' choice) cannot tell."""
+    _compute[group_key(group)] = torch.device(device)
+
+
+def compute_device(group=None) -> torch.device:
+    """Where a unit copied in from host memory or read from disk is computed on: the device
+    ``Step.init`` put this group's states on, else ``device_of(group)``."""
+    return _compute.get(group_key(group)) or device_of(group)
+
+
 class Pending:
     """A collective in flight: ``wait()`` returns its result (mean-scaled if asked).
 

@@ -98,7 +98,7 @@ def compute_device(place: Placement, leaf: torch.Tensor, group) -> torch.device:
     """Where the unit's full buffer and gradient live: the group's device for a unit copied in
     from host memory or read from disk (a meta placeholder), else the leaf's own."""
     if copies_in(place) or leaf.is_meta:
-        return dist.device_of(group)
+        return dist.compute_device(group)
     return leaf.device
 
 
@@ -138,7 +138,7 @@ def _copy_in(place: Placement, leaf: torch.Tensor, group, ready) -> dist.Pending
     (asynchronously from pinned memory), then gathered in place: no staging buffer."""
     ready()
     w = dist.world_size(group) if place.params_sharded else 1
-    full = buffers.take(leaf.numel() * w, leaf.dtype, dist.device_of(group))
+    full = buffers.take(leaf.numel() * w, leaf.dtype, dist.compute_device(group))
     mine = layout.shard(full, dist.rank(group), w) if w > 1 else full
     mine.copy_(leaf.detach(), non_blocking=leaf.is_pinned())
     return dist.all_gather_inplace_start(full, group) if w > 1 else dist.Pending(full)

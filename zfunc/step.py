@@ -193,6 +193,7 @@ class Step:
         spec = build_spec(model, self.units, w)
         places = tuple(self.placement(u) for u in spec.units)
         device = dist.device_of(group) if device is None else torch.device(device)
+        dist.set_compute_device(group, device)  # units read from host memory or disk are computed there
         # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made
         home = next((h for t in self.transforms if (h := t.init_home(self, spec, places, group)) is not None), None)
 

@@ -90,6 +90,8 @@ def host_optimizer(optimizer: Optimizer, pin: bool) -> Optimizer:
         on_host = all(t.device.type == "cpu" for t in tree_leaves(params) if isinstance(t, torch.Tensor))
         host = None if on_host else tree_map(lambda t: to_host(t, pin), params)
         inner = optimizer.init(params if host is None else host)
+        if host is not None:  # the update writes the copy the step stores (bf16 under mixed precision), not init's fp32
+            host = _as_stored(params, pin)
         return HostState(host, tree_map(lambda t: to_host(t, pin), inner))
 
     def update(grads, opt_state, params, **kw):
@@ -109,6 +111,17 @@ def host_optimizer(optimizer: Optimizer, pin: bool) -> Optimizer:
         return params, HostState(host, inner)
 
     return Optimizer(init, update, fuses=True)
+
+
+def _as_stored(params, pin: bool):
+    """Host copies of ``params`` in the dtype each unit's placement stores them in: ``Step.init``
+    runs the optimizer's init before it casts the parameters, so the master starts from the
+    model's own values; the host copy the update writes and copies back must match the cast."""
+    if not isinstance(params, Params):
+        return tree_map(lambda t: to_host(t, pin), params)
+    leaves = [None if t is None else to_host(t if p.param_dtype in (None, t.dtype) else t.to(p.param_dtype), pin)
+              for t, p in zip(params.leaves, params.spec.placements)]
+    return Params(params.spec, leaves)
 
 
 def _pinned(t):

@@ -547,7 +547,7 @@ class OffloadNvme(Transform):
                           shard_start if n_grad != padded else 0))
         # a pool buffer: the largest file, at most buffer_size elements (a larger unit is read past the pool)
         buffer_bytes = max((min(nbytes, self.buffer_size * (nbytes // n)) for n, nbytes, _ in on_disk if n), default=0)
-        device = swap.device_for(dist.device_of(group))
+        device = swap.device_for(dist.compute_device(group))
         _check_host_memory(self._host_bytes(spec, places, w, buffer_bytes, per_elem, accumulates, device.copies))
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
                                buffer_bytes=buffer_bytes, faults=self.faults, device=device)
