@@ -314,7 +314,8 @@ def test_a_disabled_feature_section_is_accepted_and_listed(key, value):
     ({"stage": 3, "mics_shard_size": 8}, "zero_optimization.mics_shard_size"),
     ({"stage": 2, "cpu_offload": True}, "zero_optimization.cpu_offload"),
     ({"stage": 3, "cpu_offload_param": True}, "zero_optimization.cpu_offload_param"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "zero_optimization.offload_optimizer.ratio"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "ratio": 0.5}},
+     "zero_optimization.offload_optimizer.ratio"),
 ])
 def test_zero_semantics_zfunc_lacks_are_not_supported_yet(zero, key):
     msg = error(cfg(zero_optimization=zero))

@@ -31,6 +31,10 @@ COMPOSITIONS = {
     "zero3-offload_cpu": {"stage": 3, "offload": {"kind": "cpu"}},
     "zero3-bf16-offload_cpu": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "cpu"}},
     "zero3-offload_params_cpu": {"stage": 3, "offload": {"kind": "cpu", "params": True}},
+    # half the units' updates on the GPU, half on the host, in one call (offload_cpu's ratio)
+    "zero3-bf16-offload_cpu-split": {"stage": 3, "precision": {"dtype": torch.bfloat16},
+                                     "offload": {"kind": "cpu", "ratio": 0.5}},
+    "zero2-accumulate-offload_cpu-split": {"stage": 2, "micro": 2, "offload": {"kind": "cpu", "ratio": 0.5}},
     "zero3-bf16-offload_nvme": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "nvme"}},
     "zero3-offload_nvme": {"stage": 3, "offload": {"kind": "nvme"}},
 }

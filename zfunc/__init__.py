@@ -19,12 +19,15 @@ from .placement import Placement
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .step import set_units as units
-from .transforms import LossScaler, accumulate, jit, mixed_precision, offload_cpu, offload_nvme, zero1, zero2, zero3
+from .offload_plan import OffloadPlan
+from .rates import Rates
+from .transforms import (LossScaler, accumulate, jit, mixed_precision, offload_cpu, offload_nvme, plan_offload, zero1,
+                         zero2, zero3)
 from .tree import Params, compile_units
 
 __all__ = [
-    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "PipelineModule", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
-    "gather_params", "grad", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "swap", "testing", "train_step", "units",
+    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
+    "gather_params", "grad", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]
 

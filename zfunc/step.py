@@ -136,10 +136,10 @@ class Step:
     def units(self):
         return self._setting("unit_policy")
 
-    def placement(self, unit) -> Placement:
+    def placement(self, unit, spec=None) -> Placement:
         p = Placement()
         for t in reversed(self.transforms):
-            p = t.place(p, unit)
+            p = t.place(p, unit) if spec is None else t.place_in(p, unit, spec, self)
         return p
 
     def plan(self) -> Plan:
@@ -191,7 +191,7 @@ class Step:
         group = self.group
         w, r = dist.world_size(group), dist.rank(group)
         spec = build_spec(model, self.units, w)
-        places = tuple(self.placement(u) for u in spec.units)
+        places = tuple(self.placement(u, spec) for u in spec.units)
         device = dist.device_of(group) if device is None else torch.device(device)
         dist.set_compute_device(group, device)  # units read from host memory or disk are computed there
         # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made

@@ -68,6 +68,11 @@ class Transform:
     def place(self, p: Placement, unit) -> Placement:
         return p
 
+    def place_in(self, p: Placement, unit, spec, step) -> Placement:
+        """``place`` for a transform whose choice for one unit depends on the others (``spec``,
+        the whole model's) or on the step: offload_cpu's plan of units kept on the device."""
+        return self.place(p, unit)
+
     def wrap_optimizer(self, optimizer):
         return optimizer
 

@@ -126,7 +126,8 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
     elif param_dev == "cpu":  # ZeRO-Infinity's CPU tier: shards on the host, so the optimizer runs there too
         step = offload_cpu(step, params=True, pin_memory=z.offload_param.pin_memory)
     elif opt_dev == "cpu":
-        step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory)
+        ratio = z.offload_optimizer.ratio  # DeepSpeed's Twin-Flow: the share updated on the host
+        step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory, ratio=None if ratio == 1.0 else ratio)
     if z.stage == 1:
         step = zero1(step, group=group)
     elif z.stage == 2:

@@ -600,9 +600,10 @@ def _offload_optimizer(sec: _Section | None) -> OffloadOptimizerConfig | None:
         return None
     device = sec.get("device", "str", "none", choices=("none", "cpu", "nvme"))
     ratio = sec.get("ratio", "float", 1.0, lo=0.0, hi=1.0)
-    if ratio != 1.0:
-        raise ValueError(f"zero_optimization.offload_optimizer.ratio {ratio}: offloading part of the optimizer "
-                         "state is not supported yet (only 1.0, all of it)")
+    if ratio != 1.0 and device != "cpu":
+        raise ValueError(f"zero_optimization.offload_optimizer.ratio {ratio} with device {device!r} is not supported "
+                         "yet: a part of the optimizer state is offloaded to the CPU only (device 'cpu'; "
+                         "zf.offload_cpu(ratio=...))")
     out = OffloadOptimizerConfig(
         device=device, nvme_path=_nvme_path(sec, device),
         buffer_count=sec.get("buffer_count", "int", 4, lo=1),

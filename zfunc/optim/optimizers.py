@@ -530,3 +530,12 @@ def _check_leaves(leaves, what, p_leaves, params, positions) -> None:
                 f"{format_path(accessors[i], root=what)} has shape {tuple(x.shape)} on {x.device} "
                 f"but the parameter has shape {tuple(p.shape)} on {p.device}; they must match."
             )
+
+
+def state_bytes_per_element(optimizer) -> int:
+    """Bytes of optimizer state per parameter element (what its init makes for one element)."""
+    if optimizer is None:
+        return 0
+    state = optimizer.init({"x": torch.zeros(1)})
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state, namespace=NAMESPACE)
+               if isinstance(t, torch.Tensor) and t.dim() == 1)

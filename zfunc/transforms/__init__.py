@@ -4,9 +4,9 @@ core and know nothing of the engines."""
 from .accumulate import accumulate
 from .jit import jit
 from .loss_scale import LossScaler
-from .offload_cpu import offload_cpu
+from .offload_cpu import offload_cpu, plan_offload
 from .offload_nvme import offload_nvme
 from .precision import mixed_precision
 from .zero import zero1, zero2, zero3
 
-__all__ = ["LossScaler", "accumulate", "jit", "mixed_precision", "offload_cpu", "offload_nvme", "zero1", "zero2", "zero3"]
+__all__ = ["LossScaler", "accumulate", "jit", "mixed_precision", "offload_cpu", "offload_nvme", "plan_offload", "zero1", "zero2", "zero3"]

@@ -30,19 +30,26 @@ inside the ZeRO stage: ``zero3(offload_cpu(mixed_precision(f)))``.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
 
+from .. import dist
 from ..grad import grad_spec
-from ..optim.optimizers import Optimizer, apply_update
+from ..offload_plan import OffloadPlan, plan_for_ratio, roofline
+from ..offload_plan import plan_offload as plan_from_rates
+from ..rates import Rates
+from ..rates import measure as measure_rates
+from ..optim.optimizers import Optimizer, apply_update, state_bytes_per_element
 from ..placement import CPU, DEVICE, Placement, compute_device
 from ..pytree import tree_leaves, tree_map
 from .sinks import GradOffHome, with_grad_sink
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
-from ..tree import Params
+from ..tree import Params, build_spec
 
 
 class GradToHost(GradOffHome):
@@ -83,44 +90,106 @@ def to_host(t, pin: bool):
     return out.copy_(t, non_blocking=pin)
 
 
-def host_optimizer(optimizer: Optimizer, pin: bool) -> Optimizer:
-    """``optimizer`` run on the CPU over host copies; updated parameters copied back."""
+def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None) -> Optimizer:
+    """``optimizer`` run on the CPU over host copies; updated parameters copied back.
+
+    Per unit of a ``Params``: a unit whose placement keeps its optimizer state on the device (an
+    ``OffloadPlan``'s ``device_units``) is updated there, in the same call (the fused Adam sends
+    each tensor to its device's kernel). ``record`` (if given) gets the update's times, the
+    parameters updated on the host and the bytes copied, for the step's roofline."""
 
     def init(params):
-        on_host = all(t.device.type == "cpu" for t in tree_leaves(params) if isinstance(t, torch.Tensor))
-        host = None if on_host else tree_map(lambda t: to_host(t, pin), params)
-        inner = optimizer.init(params if host is None else host)
-        if host is not None:  # the update writes the copy the step stores (bf16 under mixed precision), not init's fp32
-            host = _as_stored(params, pin)
-        return HostState(host, tree_map(lambda t: to_host(t, pin), inner))
+        homes = _host_units(params)
+        copies = [h and t is not None and _off_cpu(t) for h, t in zip(homes, _leaves(params))]
+        if not any(copies):  # the update runs where each unit's parameters live
+            return HostState(None, optimizer.init(params))
+        inner = optimizer.init(_by_unit(params, copies, lambda t: to_host(t, pin)))
+        # the update writes the copy the step stores (bf16 under mixed precision), not init's fp32
+        return HostState(_as_stored(params, copies, pin), inner)
 
     def update(grads, opt_state, params, **kw):
-        on_device = any(g.device.type != "cpu" for g in tree_leaves(grads) if isinstance(g, torch.Tensor))
-        grads = tree_map(lambda g: to_host(g, pin), grads)  # a no-op for gradients on the CPU
-        if on_device and pin:
+        started = time.perf_counter()
+        homes = _host_units(params)
+        moved = [g for h, g in zip(homes, _leaves(grads)) if h and g is not None and _off_cpu(g)]
+        grads = _by_unit(grads, homes, lambda g: to_host(g, pin))  # a no-op for gradients on the CPU
+        if moved and pin:
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed before Adam reads
-        if opt_state.params is None and pin:  # host-homed parameters cast at init lost their pinning
-            params = tree_map(_pinned, params)
-        host = params if opt_state.params is None else opt_state.params
-        if kw.get("lowp_params") is not None:
-            kw["lowp_params"] = tree_map(lambda t: to_host(t, pin), kw["lowp_params"])
-        host, inner = apply_update(optimizer, grads, opt_state.inner, host, **kw)
         if opt_state.params is None:
-            return host, HostState(None, inner)
-        tree_map(lambda dst, src: dst if dst is src else dst.copy_(src, non_blocking=pin), params, host)
-        return params, HostState(host, inner)
+            work = _by_unit(params, homes, _pinned) if pin else params  # host-homed ones cast at init lost pinning
+        else:
+            work = _with_host_copies(params, opt_state.params)
+        if kw.get("lowp_params") is not None:
+            kw["lowp_params"] = _by_unit(kw["lowp_params"], homes, lambda t: to_host(t, pin))
+        work, inner = apply_update(optimizer, grads, opt_state.inner, work, **kw)
+        host, back_srcs, sent_down = None, [], []
+        if opt_state.params is not None:
+            back = [(dst, src) for dst, src, h in zip(_leaves(params), _leaves(work), _leaves(opt_state.params))
+                    if h is not None]
+            for dst, src in back:
+                tree_map(lambda d, s: d if d is s else d.copy_(s, non_blocking=pin), dst, src)
+            back_srcs = [src for _, src in back]  # up; down: the gradients of the same units
+            sent_down = [g for g, h in zip(_leaves(grads), _leaves(opt_state.params)) if h is not None and g is not None]
+            host = _with_host_copies(opt_state.params, work, only_where_set=True)
+            work = params
+        if record is not None:
+            on_host = [t for h, t in zip(homes, _leaves(work)) if h and t is not None]
+            record.update(started=started, ended=time.perf_counter(), host_params=sum(map(_numel, on_host)),
+                          first_params=_numel(on_host[0]) if on_host and homes[0] else 0,
+                          pcie_bytes=sum(map(_nbytes, sent_down)) + sum(map(_nbytes, back_srcs)))
+        return work, HostState(host, inner)
 
     return Optimizer(init, update, fuses=True)
 
 
-def _as_stored(params, pin: bool):
-    """Host copies of ``params`` in the dtype each unit's placement stores them in: ``Step.init``
-    runs the optimizer's init before it casts the parameters, so the master starts from the
-    model's own values; the host copy the update writes and copies back must match the cast."""
+def _off_cpu(tree) -> bool:
+    return any(t.device.type != "cpu" for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _numel(tree) -> int:
+    return sum(t.numel() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+def _leaves(tree) -> list:
+    """A ``Params``'s leaves, one per unit (``None`` where a unit has none); any other tree as one."""
+    return list(tree.leaves) if isinstance(tree, Params) else [tree]
+
+
+def _host_units(params) -> list[bool]:
+    """Per unit, whether its update runs on the host (its placement's ``opt_home``); for a tree
+    that is no ``Params``, all of it does."""
+    if not isinstance(params, Params):
+        return [True]
+    return [p.opt_home == CPU for p in params.spec.placements]
+
+
+def _by_unit(tree, which: list[bool], fn):
+    """``tree`` with ``fn`` applied to the leaves of the units ``which`` marks."""
+    if not isinstance(tree, Params):
+        return tree_map(fn, tree) if which[0] else tree
+    return Params(tree.spec, [fn(t) if t is not None and on else t for t, on in zip(tree.leaves, which)])
+
+
+def _with_host_copies(params, host, only_where_set: bool = False):
+    """Per unit, ``host``'s leaf where it has one, else ``params``'s (``None`` with ``only_where_set``)."""
+    if not isinstance(params, Params):
+        return host
+    return Params(params.spec, [h if h is not None else (None if only_where_set else t)
+                                for t, h in zip(params.leaves, _leaves(host))])
+
+
+def _as_stored(params, copies: list[bool], pin: bool):
+    """Host copies of the units ``copies`` marks (``None`` for the others), in the dtype each
+    unit's placement stores them in: ``Step.init`` runs the optimizer's init before it casts the
+    parameters, so the master starts from the model's own values; the host copy the update
+    writes and copies back must match the cast."""
     if not isinstance(params, Params):
         return tree_map(lambda t: to_host(t, pin), params)
-    leaves = [None if t is None else to_host(t if p.param_dtype in (None, t.dtype) else t.to(p.param_dtype), pin)
-              for t, p in zip(params.leaves, params.spec.placements)]
+    leaves = [None if t is None or not c else to_host(t if p.param_dtype in (None, t.dtype) else t.to(p.param_dtype), pin)
+              for t, p, c in zip(params.leaves, params.spec.placements, copies)]
     return Params(params.spec, leaves)
 
 
@@ -150,10 +219,15 @@ class _HostHome:
 class Offload(Transform):
     family = "offload"
 
-    def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False):
+    def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
+                 plan: OffloadPlan | None = None, ratio: float | None = None, budget: int | None = None,
+                 rates: Rates | None = None):
         self.pin_memory = pin_memory
         self.copy_grads_on_host = copy_grads_on_host
         self.params = params
+        self.plan, self.ratio, self.budget, self.rates = plan, ratio, budget, rates
+        self._kept: dict = {}  # id(ModelSpec) -> (spec, the plan made for it)
+        self._record: dict = {}  # the last update's times and traffic (host_optimizer), for the roofline
 
     @property
     def name(self) -> str:
@@ -175,6 +249,51 @@ class Offload(Transform):
     def place(self, p: Placement, unit) -> Placement:
         return replace(p, opt_home=CPU, grad_home=CPU, param_home=CPU if self.params else p.param_home)
 
+    def place_in(self, p: Placement, unit, spec, step) -> Placement:
+        plan = self.plan_for(spec, step, p)
+        if plan is not None and unit.name in plan.device_units:
+            return p  # its optimizer state, master and gradient stay on the device, updated there
+        return self.place(p, unit)
+
+    def plan_for(self, spec, step, p: Placement | None = None, below=None) -> OffloadPlan | None:
+        """The split of ``spec``'s units between the device and the host: the plan given, or one
+        made from the ratio or the budget (then from this machine's measured rates). ``below``:
+        the offload_cpu of ``step`` whose inner optimizer's state is counted (default: this one)."""
+        below = below or self
+        if self.plan is None and self.ratio is None and self.budget is None:
+            return None
+        made = self._kept.get(id(spec))
+        if made is not None and made[0] is spec:
+            return made[1]
+        w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
+        units = [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
+        if self.plan is not None:
+            self.plan.check([name for name, _ in units])
+            plan = self.plan
+        elif self.ratio is not None:
+            plan = plan_for_ratio(units, self.ratio, state_bytes_per_element(step.update_part(below=below)))
+        else:
+            item = ((p.param_dtype if p is not None else None) or spec.units[0].trainable.dtype).itemsize
+            rates = self.rates or measure_rates(dist.compute_device(step.group))
+            plan = plan_from_rates(units, budget=self.budget, rates=rates, copy_bytes=2 * item,
+                                state_bytes=state_bytes_per_element(step.update_part(below=below)))
+        self._kept[id(spec)] = (spec, plan)
+        return plan
+
+    def begin_step(self, state):
+        self._record.clear()
+        return time.perf_counter()
+
+    def step_metrics(self, state, begun) -> dict:
+        """``offload``: the step's roofline (``zfunc.offload_plan.roofline``) at this machine's rates."""
+        r = self._record
+        if begun is None or "started" not in r:
+            return {}
+        device = next((t.device for t in state.params.leaves if t is not None and t.device.type != "meta"), None)
+        rates = self.rates or measure_rates(device)
+        return {"offload": roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"],
+                                    r["first_params"], r["pcie_bytes"], rates)}
+
     def init_home(self, step, spec, places, group):
         """With ``params=True``: host-homed shards go to (pinned) host memory as they are made."""
         if not self.params:
@@ -186,7 +305,7 @@ class Offload(Transform):
         return _HostHome(self._pin)
 
     def wrap_optimizer(self, optimizer):
-        return host_optimizer(optimizer, self._pin)
+        return host_optimizer(optimizer, self._pin, self._record)
 
     def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
         """To the CPU: a host copy (pinned where CUDA exists); to DEVICE: onto ``device``."""
@@ -213,7 +332,8 @@ class Offload(Transform):
 
 
 def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
-                copy_grads_on_host: bool = False) -> Step:
+                copy_grads_on_host: bool = False, plan: OffloadPlan | str | None = None,
+                ratio: float | None = None, budget: int | None = None, rates: Rates | None = None) -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
 
     ``params``: keep zero3's parameter shards in host memory too, copied to the device as
@@ -228,4 +348,34 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     benchmark; tests on CPU-only machines turn it on to run that path).
     """
     expect_step(step, "offload_cpu")
-    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params)))
+    if sum(x is not None for x in (plan, ratio, budget)) > 1:
+        raise ValueError("offload_cpu: give one of plan=, ratio= and budget=, which each say which units stay on "
+                         "the device")
+    if params and (plan is not None or ratio is not None or budget is not None):
+        raise ValueError("offload_cpu(params=True) keeps every parameter shard on the host, so no unit's update "
+                         "can stay on the device: drop plan=/ratio=/budget=, or params=True")
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"offload_cpu: ratio must be in [0, 1] (the share of parameters updated on the host), got "
+                         f"{ratio}")
+    if budget is not None and not (isinstance(budget, int) and budget >= 0):
+        raise ValueError(f"offload_cpu: budget must be a number of bytes >= 0, got {budget!r}")
+    if isinstance(plan, (str, os.PathLike)):
+        plan = OffloadPlan.load(plan)
+    if plan is not None and not isinstance(plan, OffloadPlan):
+        raise TypeError(f"offload_cpu: plan must be an OffloadPlan or the path of a saved one, got {type(plan).__name__}")
+    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates))
+
+
+def plan_offload(step: Step, model, *, budget: int, rates: Rates | None = None) -> OffloadPlan:
+    """The ``OffloadPlan`` ``offload_cpu(..., budget=budget)`` makes for ``model`` under ``step``
+    (which must hold an offload_cpu): print it, save it, pass it back with ``plan=``. ``rates``
+    default to this machine's, measured once and cached (``zfunc.rates.measure``)."""
+    offload = next((t for t in step.transforms if isinstance(t, Offload)), None)
+    if offload is None:
+        raise ValueError(f"plan_offload: {step.composition} has no offload_cpu to plan for")
+    planner = Offload(offload.pin_memory, offload.copy_grads_on_host, False, None, None, budget, rates)
+    spec = build_spec(model, step.units, dist.world_size(step.group))
+    p = Placement()
+    for t in reversed(step.transforms[step.transforms.index(offload) + 1:]):  # those inside: the stored dtype
+        p = t.place(p, spec.units[0])
+    return planner.plan_for(spec, step, p, below=offload)

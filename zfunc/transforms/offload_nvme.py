@@ -66,7 +66,7 @@ from ..buffers import trim as trim_heap
 from ..coordinator import prefetch_settings
 from ..grad import grad_spec
 from ..ops import cpu_adam
-from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count
+from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count, state_bytes_per_element
 from ..placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
 from ..pytree import NAMESPACE, register_node
 from .sinks import GradOffHome, with_grad_sink
@@ -524,7 +524,7 @@ class OffloadNvme(Transform):
         """At ``Step.init``: the state's swap folder, its free-space check and its gradient files."""
         w, r = dist.world_size(group), dist.rank(group)
         accumulates = step.accumulates
-        per_elem = _optimizer_bytes_per_element(step.update_part(below=self))
+        per_elem = state_bytes_per_element(step.update_part(below=self))
         sizes, need = [], 0
         on_disk = []  # (elements, bytes, unit name) of each parameter file read into the pool
         for i, (unit, place) in enumerate(zip(spec.units, places)):
@@ -617,15 +617,6 @@ class _DiskHome:
     def finish(self) -> None:
         self.store.finish_staged(self.piece)  # what the optimizer's init did not write (an eval step's init)
         trim_heap()  # init's per-unit temporaries: back to the OS, not left in malloc's heap
-
-
-def _optimizer_bytes_per_element(optimizer) -> int:
-    """Bytes of optimizer state per parameter element (what its init makes for one element)."""
-    if optimizer is None:
-        return 0
-    state = optimizer.init({"x": torch.zeros(1)})
-    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state, namespace=NAMESPACE)
-               if isinstance(t, torch.Tensor) and t.dim() == 1)
 
 
 def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = True, buffer_count: int = 5,

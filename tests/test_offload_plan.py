@@ -1,0 +1,198 @@
+"""offload_cpu's split of the update between the device and the host (``zfunc.offload_plan``):
+the planner's choice on fake rates and budgets, DeepSpeed's ratio, the plan printed, saved and
+passed back, the engine's ``offload_optimizer.ratio``; a split step equals the unsplit one bit for
+bit on the CPU at W = 1 and 2; the roofline each offloaded step reports; the rates' cache."""
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import zfunc as zf
+from cases import run_composed
+from workers import workers
+from zfunc import offload_plan, rates
+from zfunc.engine import compose as engine_compose
+from zfunc.engine import config as zc
+from zfunc.placement import CPU, DEVICE
+
+FAST = zf.Rates(host_update=4.5e9, device_update=90e9, pcie=50e9, machine="fake")
+UNITS = [("", 100), ("blocks.0", 50), ("blocks.1", 50), ("blocks.2", 80)]
+
+
+@pytest.mark.parametrize("budget, kept", [
+    (0, ()), (10**9, ("", "blocks.0", "blocks.1", "blocks.2")),
+    (150 * 12, ("", "blocks.0")),  # first fit in forward order
+    (1300, ("",)), (1000, ("blocks.0",)),  # the root does not fit: the next that does
+])
+def test_the_planner_fills_the_budget_in_forward_order(budget, kept):
+    plan = offload_plan.plan_offload(UNITS, budget=budget, rates=FAST, state_bytes=12, copy_bytes=4)
+    assert plan.device_units == kept
+    assert plan.host_units == tuple(n for n, _ in UNITS if n not in kept)
+    assert plan.device_bytes == 12 * sum(n for name, n in UNITS if name in kept) <= budget
+    host = sum(n for name, n in UNITS if name not in kept)
+    assert plan.predicted["host update"] == pytest.approx(host / FAST.host_update)
+    assert plan.predicted["copies"] == pytest.approx(host * 4 / FAST.pcie)
+
+
+def test_a_host_as_fast_as_the_device_keeps_the_device_free():
+    slow_device = zf.Rates(host_update=5e9, device_update=5e9, pcie=50e9)
+    assert offload_plan.plan_offload(UNITS, budget=10**9, rates=slow_device, state_bytes=12,
+                                     copy_bytes=4).device_units == ()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.integers(0, 20000), st.sampled_from([8, 12, 16]))
+def test_the_plan_fits_its_budget_and_no_unit_left_on_the_host_would_fit(sizes, budget, state_bytes):
+    units = [(f"u{i}", n) for i, n in enumerate(sizes)]
+    plan = offload_plan.plan_offload(units, budget=budget, rates=FAST, state_bytes=state_bytes, copy_bytes=4)
+    assert plan.device_bytes <= budget
+    left = budget - plan.device_bytes
+    assert all(n * state_bytes > left for name, n in units if name in plan.host_units)
+    assert set(plan.device_units) | set(plan.host_units) == {name for name, _ in units}
+
+
+@pytest.mark.parametrize("ratio, kept", [(1.0, ()), (0.0, ("", "blocks.0", "blocks.1", "blocks.2")),
+                                         (0.4, ("", "blocks.0")), (0.5, ("",)), (0.7, ())])
+def test_deepspeeds_ratio_is_the_share_updated_on_the_host(ratio, kept):
+    assert offload_plan.plan_for_ratio(UNITS, ratio).device_units == kept
+
+
+def test_a_plan_prints_saves_and_loads(tmp_path):
+    plan = offload_plan.plan_offload(UNITS, budget=1800, rates=FAST, state_bytes=12, copy_bytes=4)
+    text = str(plan)
+    assert "2 units updated on the device" in text and "2 on the host" in text and "host update" in text
+    plan.save(tmp_path / "plan.json")
+    back = zf.OffloadPlan.load(tmp_path / "plan.json")
+    assert back == plan and back.rates == FAST and back.predicted == plan.predicted
+    assert json.loads(plan.to_json())["device_units"] == ["", "blocks.0"]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _step(precision=False, **offload):
+    def loss_fn(params, b):
+        return nn.functional.mse_loss(zf.apply(model_holder[0], params, b[0]).float(), b[1])
+
+    model_holder = [None]
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), units=lambda name, m: isinstance(m, nn.Sequential))
+    if precision:
+        step = zf.mixed_precision(step, torch.bfloat16)
+    return zf.zero3(zf.offload_cpu(step, copy_grads_on_host=True, **offload)), model_holder
+
+
+def _train(steps=3, precision=False, **offload):
+    step, holder = _step(precision, **offload)
+    model = holder[0] = Net()
+    state = step.init(model)
+    g = torch.Generator().manual_seed(1)
+    history = []
+    for _ in range(steps):
+        b = (torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g))
+        state, metrics = step(state, b)
+        history.append(metrics)
+    return state, history
+
+
+def _homes(state):
+    return {u.name: p.opt_home for u, p in zip(state.params.spec.model.units, state.params.spec.placements)}
+
+
+@pytest.mark.parametrize("precision", [False, True])
+def test_a_split_step_equals_the_unsplit_one_bit_for_bit(precision, tmp_path):
+    plain, _ = _train(precision=precision)
+    names = [u.name for u in plain.params.spec.model.units]
+    for offload in ({"ratio": 0.5}, {"ratio": 0.0}, {"budget": 10**9, "rates": FAST},
+                    {"plan": zf.OffloadPlan(tuple(names[1:3]), tuple(names[:1] + names[3:]))}):
+        split, _ = _train(precision=precision, **offload)
+        homes = _homes(split)
+        kept = {n for n, h in homes.items() if h == DEVICE}
+        assert kept and all(h in (CPU, DEVICE) for h in homes.values()), homes
+        if "plan" in offload:
+            assert kept == set(offload["plan"].device_units)
+        for a, b in zip(zf.gather_params(plain).values(), zf.gather_params(split).values()):
+            assert torch.equal(a, b)
+
+
+def test_the_planned_split_comes_back_from_a_saved_plan(tmp_path):
+    step, holder = _step()
+    holder[0] = Net()
+    # the root's (inp and out, 146 parameters) and two blocks' fp32 Adam moments fit (8 bytes a parameter), the third's not
+    plan = zf.plan_offload(step, holder[0], budget=(160 + 2 * 16 * 17) * 8, rates=FAST)
+    assert plan.device_units == ("", "blocks.0", "blocks.1") and plan.host_units == ("blocks.2",)
+    plan.save(tmp_path / "plan.json")
+    state, _ = _train(plan=str(tmp_path / "plan.json"))
+    assert {n for n, h in _homes(state).items() if h == DEVICE} == set(plan.device_units)
+    other = zf.OffloadPlan(("nope",), ("",))
+    with pytest.raises(ValueError, match=r"made for other units.*'nope'"):
+        _train(plan=other)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_a_split_step_equals_the_unsplit_one_across_ranks(world):
+    cpu = {"kind": "cpu", "copy_grads_on_host": True}
+    args = ("gpt", {}, 3, 2, 4, 0, {"dtype": torch.bfloat16}, 2, 1.0)
+    plain = workers(world).run(run_composed, *args, False, None, False, None, cpu)
+    split = workers(world).run(run_composed, *args, False, None, False, None, {**cpu, "ratio": 0.5})
+    for a, b in zip(plain, split):
+        assert "offload_cpu" in b["composition"]
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+        assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
+
+
+def test_every_offloaded_step_reports_its_roofline():
+    state, history = _train(rates=FAST, budget=0)  # every unit updated on the host
+    host_params = sum(u.trainable.padded for u in state.params.spec.model.units)
+    for metrics in history:
+        r = metrics["offload"]
+        parts = {"compute": r["compute_s"], "host update": r["host_update_s"], "copies": r["copies_s"]}
+        assert r["bound_s"] >= max(parts.values()) and r["binds"] in parts
+        assert r["compute_s"] > 0 and r["update_s"] > 0 and 0 < r["achieved"]
+        assert r["host_update_s"] == pytest.approx(host_params / FAST.host_update)
+
+
+def test_engine_config_maps_deepspeeds_ratio():
+    c = zc.parse({"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "cpu", "ratio": 0.25}}}, 1)
+    step = engine_compose.compose(c, zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)))
+    step = step[0] if isinstance(step, tuple) else step
+    offload = next(t for t in step.transforms if t.name == "offload_cpu")
+    assert offload.ratio == 0.25
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"ratio": 1.5}, "ratio must be in"), ({"ratio": 0.5, "budget": 10}, "one of plan=, ratio= and budget="),
+    ({"params": True, "ratio": 0.5}, r"params=True\) keeps every parameter shard on the host"),
+    ({"budget": -1}, "budget must be a number of bytes"), ({"plan": 3}, "plan must be an OffloadPlan"),
+])
+def test_bad_splits_are_clear_errors(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        zf.offload_cpu(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), **kw)
+
+
+def test_rates_are_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZFUNC_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(rates, "_adam_rate", lambda device, numel: calls.append(device) or 1e9)
+    first = rates.measure("cpu")
+    again = rates.measure("cpu")
+    assert first == again and first.host_update == 1e9 and len(calls) == 1
+    assert rates.machine_key(torch.device("cpu")) in json.loads((tmp_path / "rates.json").read_text())
+    real = rates.measure("cpu", numel=1 << 16, cache=False)  # the real kernel, not cached
+    assert len(calls) == 2 and real.host_update == 1e9 and real.pcie == float("inf")

@@ -1,0 +1,135 @@
+"""Which units' updates ``offload_cpu`` leaves on the device, and the roofline of an offloaded step.
+
+DeepSpeed's Twin-Flow sets by hand the share of the optimizer state updated on the host
+(``offload_optimizer.ratio``). Here the split is a value, an ``OffloadPlan``: made from a ratio
+(``plan_for_ratio``) or from a device-memory budget and this machine's measured rates
+(``plan_offload``), printed, saved, loaded and handed back to ``offload_cpu(step, plan=...)``.
+
+Units kept on the device are taken in the order the forward uses them: the next step's forward
+needs the first units first, and their update on the device (about 20x the host's rate) is done
+before the host's; the host updates the rest, whose gradients leave the device first in backward.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .rates import INF, Rates
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """``device_units``: names of the units (``""`` the root) whose optimizer state, master
+    weights and gradients stay on the device, updated there; every other unit's are on the host.
+    ``predicted``: seconds a step's update takes by part, from ``rates`` (empty for a ratio)."""
+
+    device_units: tuple[str, ...]
+    host_units: tuple[str, ...]
+    budget: int | None = None  # bytes of device memory the kept state may use
+    device_bytes: int = 0  # bytes the kept state takes on each device
+    predicted: dict = field(default_factory=dict, compare=False)
+    rates: Rates | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        lines = [f"OffloadPlan: {len(self.device_units)} units updated on the device "
+                 f"({self.device_bytes / 2**30:.2f} GiB of state"
+                 + (f", budget {self.budget / 2**30:.2f} GiB" if self.budget is not None else "") + f"), "
+                 f"{len(self.host_units)} on the host"]
+        lines += [f"  {k}: {v:.3f} s" for k, v in self.predicted.items()]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"device_units": list(self.device_units), "host_units": list(self.host_units),
+                           "budget": self.budget, "device_bytes": self.device_bytes, "predicted": self.predicted,
+                           "rates": None if self.rates is None else self.rates.to_dict()}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OffloadPlan":
+        d = json.loads(text)
+        return cls(tuple(d["device_units"]), tuple(d["host_units"]), d["budget"], d["device_bytes"],
+                   d.get("predicted") or {}, None if d.get("rates") is None else Rates.from_dict(d["rates"]))
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "OffloadPlan":
+        return cls.from_json(Path(path).read_text())
+
+    def check(self, names: Sequence[str]) -> None:
+        """Raise naming what differs where this plan was made for other units than ``names``."""
+        mine, theirs = set(self.device_units) | set(self.host_units), set(names)
+        if mine != theirs:
+            raise ValueError(
+                f"this OffloadPlan was made for other units: the model has {sorted(theirs - mine)[:5]} that it does "
+                f"not name and it names {sorted(mine - theirs)[:5]} that the model lacks; make the plan again for "
+                "this model (zf.plan_offload, or offload_cpu(ratio=...))")
+
+
+def predict(units: Sequence[tuple[str, int]], device: set[str], rates: Rates, copy_bytes: int) -> dict:
+    """Seconds a step's update takes by part: the host's Adam over its units, their copies
+    (gradients down, parameters up: ``copy_bytes`` a parameter) and the device's Adam."""
+    n_host = sum(n for name, n in units if name not in device)
+    n_dev = sum(n for name, n in units if name in device)
+    return {"host update": n_host / rates.host_update, "copies": n_host * copy_bytes / rates.pcie,
+            "device update": 0.0 if rates.device_update == INF else n_dev / rates.device_update}
+
+
+def plan_offload(units: Sequence[tuple[str, int]], *, budget: int, rates: Rates, state_bytes: int,
+                 copy_bytes: int) -> OffloadPlan:
+    """Keep on the device as many units' update state (``state_bytes`` a parameter) as fit in
+    ``budget`` bytes, taken in forward order, first fit (``units``: (name, parameters on this
+    rank), in that order); each one kept moves its update from the host's rate to the device's and
+    saves its copies, so the step's update time falls with every byte of the budget used."""
+    if budget < 0:
+        raise ValueError(f"plan_offload: budget must be >= 0 bytes, got {budget}")
+    left, device = budget, []
+    if rates.device_update > rates.host_update:  # else the host is as fast: keep the device's memory free
+        for name, n in units:
+            if n * state_bytes <= left:
+                device.append(name)
+                left -= n * state_bytes
+    kept = set(device)
+    return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), budget, budget - left,
+                       predict(units, kept, rates, copy_bytes), rates)
+
+
+def plan_for_ratio(units: Sequence[tuple[str, int]], ratio: float, state_bytes: int = 0) -> OffloadPlan:
+    """DeepSpeed's ``offload_optimizer.ratio``: about ``ratio`` of the parameters updated on the
+    host, the first units in forward order (up to ``1 - ratio`` of them) on the device."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"offload ratio must be in [0, 1] (the share of parameters updated on the host), got {ratio}")
+    total = sum(n for _, n in units)
+    keep, device = (1.0 - ratio) * total, []
+    for name, n in units:
+        if n <= keep:
+            device.append(name)
+            keep -= n
+        else:
+            break
+    kept = set(device)
+    return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), None,
+                       sum(n for name, n in units if name in kept) * state_bytes)
+
+
+def roofline(compute_s: float, update_s: float, host_params: int, first_params: int, copy_bytes: int,
+             rates: Rates) -> dict:
+    """The bound of an offloaded step and how close the step came to it.
+
+    ``compute_s``: measured forward and backward (begin to the update); ``update_s``: the
+    measured update after them. The bound takes the largest of the compute, the host's Adam over
+    its ``host_params`` and their copies at the measured rates, and counts as serial, after the
+    compute, only what exactness forces: the update and upload of the first unit the next forward
+    needs (``first_params`` of it on the host) once every gradient is agreed. ``achieved`` is the
+    bound over the step's time; ``binds`` names the largest part."""
+    host_s = host_params / rates.host_update
+    copy_s = host_params * copy_bytes / rates.pcie
+    serial = first_params / rates.host_update + first_params * copy_bytes / rates.pcie
+    parts = {"compute": compute_s + serial, "host update": host_s, "copies": copy_s}
+    bound = max(parts.values())
+    step_s = compute_s + update_s
+    return {"compute_s": compute_s, "update_s": update_s, "host_update_s": host_s, "copies_s": copy_s,
+            "pcie_bytes": host_params * copy_bytes, "bound_s": bound, "binds": max(parts, key=parts.get),
+            "achieved": bound / step_s if step_s > 0 else 0.0}
