@@ -66,15 +66,21 @@ PEERS = {
              "ds3": "DeepSpeed ZeRO-3 bf16, torch AdamW fused"},
     "offload": {"zfunc_cpu": "zfunc zero3(offload_cpu(mixed_precision(...)))",
                 "zfunc_cpu_params": "zfunc zero3(offload_cpu(mixed_precision(...), params=True))",
+                "zfunc_cpu_plan": "zfunc zero3(offload_cpu(mixed_precision(...), budget=--budget GiB)): planned split",
+                "zfunc_cpu_ratio": "zfunc zero3(offload_cpu(mixed_precision(...), ratio=--ratio)): hand-set split",
                 "ds_cpu": "DeepSpeed ZeRO-Offload: stage 3, offload_optimizer cpu",
                 "ds_cpu_params": "DeepSpeed ZeRO-Infinity: stage 3, offload_optimizer + offload_param cpu"},
     "nvme": {"zfunc_nvme": "zfunc zero3(offload_nvme(mixed_precision(...), path))",
              "ds_nvme": "DeepSpeed ZeRO-Infinity: offload_optimizer + offload_param nvme"},
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
-         "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu")],
+         "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
+                     ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio")],
          "nvme": [("zfunc_nvme", "ds_nvme")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
+
+
+ROOFLINES: list = []  # the offloaded steps' metrics["offload"], in this worker
 
 
 class NotAvailable(Exception):
@@ -94,6 +100,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--wd", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget", type=float, default=2.0, help="zfunc_cpu_plan: GiB of GPU memory for kept optimizer state")
+    p.add_argument("--ratio", type=float, default=0.9, help="zfunc_cpu_ratio: share of parameters updated on the host")
     p.add_argument("--swap", default=None, help="nvme: folder for the swap files (default: a new one under /tmp)")
     p.add_argument("--no-prebuild", action="store_true", help="do not build the native ops before the peers")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -132,14 +140,22 @@ def build(peer, model, a):
                 step = zf.offload_cpu(step, params=True)
             except TypeError as e:
                 raise NotAvailable(f"{type(e).__name__}: {e}") from e
+        elif peer == "zfunc_cpu_plan":
+            step = zf.offload_cpu(step, budget=int(a.budget * 2**30))
+        elif peer == "zfunc_cpu_ratio":
+            step = zf.offload_cpu(step, ratio=a.ratio)
         elif peer == "zfunc_nvme":
             step = zf.offload_nvme(step, path=a.swap)
         step = zf.zero3(step)
+        if peer == "zfunc_cpu_plan":
+            print(zf.plan_offload(step, model, budget=int(a.budget * 2**30)), flush=True)
         state = step.init(model)
 
         def train(micro):
             nonlocal state
             state, metrics = step(state, micro if a.accumulate > 1 else micro[0])
+            if "offload" in metrics:  # the step's roofline (zfunc.offload_plan.roofline)
+                ROOFLINES.append(metrics["offload"])
             return metrics["loss"]
         return train
     if peer == "fsdp2":
@@ -251,7 +267,7 @@ def measure(a):
         losses.append(loss.item())
         print(f"step {i}{' (warm-up)' if i < a.warmup else ''}: {times[-1]:.3f} s, loss {losses[-1]:.5f}", flush=True)
     return dict(status="ok", params=params, setup_s=setup_s, step_s=statistics.median(times[a.warmup:]),
-                losses=losses)
+                losses=losses, roofline=ROOFLINES[-1] if ROOFLINES else None)
 
 
 def worker(a):
@@ -347,7 +363,7 @@ def prebuild(a):
 def run_peer(peer, a, tmp):
     result, log = os.path.join(tmp, f"{peer}.json"), os.path.join(tmp, f"{peer}.log")
     argv = [os.path.abspath(__file__), a.mode, "--worker", peer, "--result", result, "--device", a.device] + [
-        f"--{k}={getattr(a, k)}" for k in ("batch", "accumulate", "warmup", "steps", "layers", "width", "lr", "wd", "seed")]
+        f"--{k}={getattr(a, k)}" for k in ("batch", "accumulate", "warmup", "steps", "layers", "width", "lr", "wd", "seed", "budget", "ratio")]
     argv += (["--tiny"] if a.tiny else []) + ([f"--cap={a.cap}"] if a.cap else [])
     swap = None
     if peer.endswith("nvme"):
@@ -423,6 +439,16 @@ def report(a, rows):
         print(f"| {label} | {r['step_s'] * 1e3:.0f} | {tokens / r['step_s']:,.0f} | {r['tflops']:.3g} | "
               f"{100 * r['tflops'] / PEAK_TFLOPS:.3g} | {gib(r.get('gpu_peak'))} | {gib(r['rss_peak'])} | "
               f"{r['losses'][-1]:.5f} | {rel:+.1e} |")
+    roofs = [(r["peer"], r["roofline"]) for r in rows if r["status"] == "ok" and r.get("roofline")]
+    if roofs:
+        print("\nRoofline of the last step (metrics['offload']): compute = forward and backward measured, plus the "
+              "first unit's update and upload (the serial part exactness forces); host update and copies at this "
+              "machine's measured rates; achieved = bound / step time.\n")
+        print("| peer | compute s | update s (measured) | host update s | copies s | PCIe GB | bound s | binds | achieved |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+        for peer, f in roofs:
+            print(f"| {peer} | {f['compute_s']:.3f} | {f['update_s']:.3f} | {f['host_update_s']:.3f} | {f['copies_s']:.3f} | "
+                  f"{f['pcie_bytes'] / 1e9:.2f} | {f['bound_s']:.3f} | {f['binds']} | {100 * f['achieved']:.0f}% |")
     pairs = [(z, p) for z, p in PAIRS[a.mode] if z in ok and p in ok]
     if pairs:
         print("\n| zfunc / peer | step time | TFLOPS | peak GPU memory | peak host RSS |\n| --- | ---: | ---: | ---: | ---: |")
