@@ -34,6 +34,9 @@ COMPOSITIONS = {
     # half the units' updates on the GPU, half on the host, in one call (offload_cpu's ratio)
     "zero3-bf16-offload_cpu-split": {"stage": 3, "precision": {"dtype": torch.bfloat16},
                                      "offload": {"kind": "cpu", "ratio": 0.5}},
+    # the last micro-batch's sums leave the GPU in backward (GradSink), the update finds them home
+    "zero3-bf16-accumulate-offload_cpu": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2,
+                                          "offload": {"kind": "cpu"}},
     "zero2-accumulate-offload_cpu-split": {"stage": 2, "micro": 2, "offload": {"kind": "cpu", "ratio": 0.5}},
     "zero3-bf16-offload_nvme": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "nvme"}},
     "zero3-offload_nvme": {"stage": 3, "offload": {"kind": "nvme"}},

@@ -20,6 +20,7 @@ import torch
 
 from .. import buffers, dist, layout, swap
 from ..ops import cpu_adam
+from ..placement import CPU
 from ..tree import Params
 
 
@@ -56,6 +57,8 @@ class GradSink(Sink):
         self.on_file: set[int] = set()  # units whose sum so far is in their gradient file
         self.views: dict[int, list] = {}  # unit -> its accumulator's per-parameter views (take_parts)
         self.reducing: dict[int, object] = {}  # unit -> its whole sum's reduction in flight (last micro-batch)
+        self.uses_left: dict[int, int] = {}  # unit -> its uses still to come in the last micro-batch
+        self.copied = False  # some sum left the device for the host (grads() waits for the copies)
 
     def _acc(self, unit) -> torch.Tensor:
         acc = self.acc.get(unit.index)
@@ -71,11 +74,21 @@ class GradSink(Sink):
         return acc
 
     def _done(self, unit, acc: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's part is in ``acc``: on disk, write it out and let it go."""
+        """This micro-batch's part is in ``acc``: on disk, write it out and let it go. In the last
+        micro-batch, a sum whose home is the host (offload_cpu) leaves the device once its unit's
+        last use is reduced, so the copies overlap the rest of backward, not the update."""
         if self.store is not None:
             self.store.write_gradient(acc, self.store.grads[unit.index], cpu_adam.nonfinite_and_sq_norm([acc]))
             self.on_file.add(unit.index)
             self.acc.pop(unit.index, None)
+        elif self.last and unit.place.grad_home == CPU and acc.device.type != "cpu":
+            left = self.uses_left.get(unit.index, unit.uses) - 1
+            self.uses_left[unit.index] = left
+            if left == 0:
+                self.acc[unit.index] = host = _to_pinned(acc)
+                self.views.pop(unit.index, None)
+                self.copied = True
+                return host
         return acc
 
     def takes_parts(self, unit) -> bool:
@@ -152,10 +165,18 @@ class GradSink(Sink):
     def grads(self) -> Params:
         """The accumulated gradients; ``None`` for a unit no micro-batch used."""
         if self.store is None:
+            if self.copied:
+                torch.cuda.current_stream().synchronize()  # the sums sent home in backward have landed
             return Params(self.spec, [self.acc.get(i) for i in range(len(self.spec.sharded))])
         self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
         return Params(self.spec, [self.store.grads[i] if i in self.on_file else None
                                   for i in range(len(self.spec.sharded))])
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into pinned host memory without blocking (the caller waits before reading)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 class GradOffHome(Sink):
