@@ -196,3 +196,100 @@ def test_rates_are_measured_once_per_machine_and_cached(tmp_path, monkeypatch):
     assert rates.machine_key(torch.device("cpu")) in json.loads((tmp_path / "rates.json").read_text())
     real = rates.measure("cpu", numel=1 << 16, cache=False)  # the real kernel, not cached
     assert len(calls) == 2 and real.host_update == 1e9 and real.pcie == float("inf")
+
+
+class _FakeDevice:
+    """CPU tensors standing in for device ones: ``offload_cpu`` sees the tensors in ``on_device``
+    as off the CPU, and its host copies as clones it records, so the split update's GPU path (host
+    copies for the host units, the kept units updated where they are) runs here."""
+
+    def __init__(self, monkeypatch):
+        import importlib
+        oc = importlib.import_module("zfunc.transforms.offload_cpu")
+        self.on_device, self.copied = set(), []
+        monkeypatch.setattr(oc, "_off_cpu", lambda tree: any(id(t) in self.on_device for t in zf.pytree.tree_leaves(tree)))
+        monkeypatch.setattr(oc, "to_host", self.to_host)
+
+    def to_host(self, t, pin):
+        if not isinstance(t, torch.Tensor) or id(t) not in self.on_device:
+            return t
+        self.copied.append(t)
+        return t.clone()
+
+    def put(self, params):
+        for t in params.leaves:
+            if t is not None:
+                self.on_device.add(id(t))
+        return params
+
+
+def test_the_split_update_keeps_device_units_in_place_and_copies_the_rest(monkeypatch):
+    """The GPU path of a split update, on the CPU: host units get host copies at init (in the
+    stored dtype), their gradients go home and their updated parameters come back; kept units are
+    updated in place, nothing of theirs copied; the result equals the unsplit update."""
+    from zfunc.optim.optimizers import GradInfo
+    from zfunc.transforms.offload_cpu import host_optimizer
+    from zfunc.transforms.precision import master_weights
+
+    state, _ = _train(steps=0, precision=True, ratio=0.5)  # a split placement (bf16 parameters)
+    homes = [p.opt_home for p in state.params.spec.placements]
+    assert CPU in homes and DEVICE in homes
+    fake = _FakeDevice(monkeypatch)
+    params = fake.put(zf.Params(state.params.spec, [t.clone() for t in state.params.leaves]))
+    master = fake.put(zf.Params(state.params.spec, [t.float() for t in state.params.leaves]))  # init: before the cast
+    opt = host_optimizer(master_weights(zf.optim.adamw(1e-2)), pin=False)
+    plain = master_weights(zf.optim.adamw(1e-2))
+    opt_state, plain_state = opt.init(master), plain.init(master)
+    host = opt_state.params
+    assert [h is not None for h in host.leaves] == [h == CPU for h in homes]
+    assert all(h.dtype == torch.bfloat16 for h in host.leaves if h is not None)  # the stored dtype, not fp32
+    plain_params = zf.Params(params.spec, [t.clone() for t in params.leaves])
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        grads = fake.put(zf.Params(params.spec, [torch.randn(t.shape, generator=g).to(t.dtype) for t in params.leaves]))
+        fake.copied.clear()
+        kept = [t for t, h in zip(params.leaves, homes) if h == DEVICE]
+        before = [t.clone() for t in kept]
+        new, opt_state = opt.update(grads, opt_state, params, info=GradInfo())
+        plain_params, plain_state = plain.update(zf.Params(grads.spec, [t.clone() for t in grads.leaves]),
+                                                 plain_state, plain_params, info=GradInfo())
+        assert new is params and all(not torch.equal(a, b) for a, b in zip(kept, before))  # updated in place
+        copied = {id(t) for t in fake.copied}
+        for t, gr, h in zip(params.leaves, grads.leaves, homes):
+            assert (id(gr) in copied) == (h == CPU)  # only host units' gradients went home
+            assert id(t) not in copied
+        for a, b in zip(params.leaves, plain_params.leaves):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("offload", [{}, {"ratio": 0.5}])
+def test_accumulated_sums_leave_the_device_in_the_last_backward(monkeypatch, offload):
+    """Under accumulate, the last micro-batch hands each host-homed unit's sum to the host as its
+    last use is reduced (CPU tensors standing in for device ones, the copies recorded): every
+    host unit's sum and no kept unit's, once each; bit for bit the run without the stand-in."""
+    import importlib
+    sinks = importlib.import_module("zfunc.transforms.sinks")
+
+    def train():
+        def loss_fn(params, b):
+            return nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
+
+        model = Net()
+        step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), units=lambda name, m: isinstance(m, nn.Sequential))
+        step = zf.zero3(zf.offload_cpu(zf.accumulate(step, 3), **offload))
+        state = step.init(model)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            micro = [(torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)) for _ in range(3)]
+            state, _ = step(state, micro)
+        return state
+
+    plain = train()
+    copied = []
+    monkeypatch.setattr(sinks, "_on_device", lambda t: True)
+    monkeypatch.setattr(sinks, "_to_pinned", lambda t: copied.append(t) or t.clone())
+    stood_in = train()
+    host_units = sum(p.opt_home == CPU for p in stood_in.params.spec.placements)
+    assert 0 < host_units and len(copied) == 2 * host_units  # two steps, each host unit's sum once
+    for a, b in zip(zf.gather_params(plain).values(), zf.gather_params(stood_in).values()):
+        assert torch.equal(a, b)
