@@ -293,3 +293,40 @@ def test_accumulated_sums_leave_the_device_in_the_last_backward(monkeypatch, off
     assert 0 < host_units and len(copied) == 2 * host_units  # two steps, each host unit's sum once
     for a, b in zip(zf.gather_params(plain).values(), zf.gather_params(stood_in).values()):
         assert torch.equal(a, b)
+
+
+def test_the_disk_is_measured_when_asked_and_never_inside_a_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZFUNC_CACHE_DIR", str(tmp_path / "cache"))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    assert rates.cached_disk(swap) is None
+    read, write = rates.measure_disk(swap, nbytes=8 << 20)
+    assert read > 0 and write > 0 and rates.cached_disk(swap) == (read, write)
+    assert not [p for p in swap.iterdir()]  # its file is gone
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_an_nvme_step_reports_its_disk_roofline_where_the_disk_was_measured(tmp_path, monkeypatch, measured):
+    monkeypatch.setenv("ZFUNC_CACHE_DIR", str(tmp_path / "cache"))
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    if measured:  # fake rates, written where measure_disk keeps them
+        (tmp_path / "cache").mkdir()
+        (tmp_path / "cache" / "rates.json").write_text(json.dumps({rates.disk_key(swap): {"read": 1e9, "write": 5e8}}))
+
+    def loss_fn(params, b):
+        return nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
+
+    model = Net()
+    step = zf.zero3(zf.offload_nvme(zf.train_step(loss_fn, zf.optim.adamw(1e-2),
+                                                  units=lambda name, m: isinstance(m, nn.Sequential)), swap))
+    with step.init(model) as state:
+        for _ in range(2):
+            state, metrics = step(state, (torch.randn(8, 6), torch.randn(8, 2)))
+    assert ("offload" in metrics) == measured
+    if measured:
+        r, io = metrics["offload"], metrics["nvme"]
+        assert r["disk_bytes"] == io["bytes_read"] + io["bytes_written"] > 0
+        assert r["disk_s"] == pytest.approx(io["bytes_read"] / 1e9 + io["bytes_written"] / 5e8)
+        assert r["bound_s"] == max(r["compute_s"], r["disk_s"]) and r["binds"] in ("compute", "disk")
+        assert r["compute_s"] > 0 and r["update_s"] > 0 and r["disk_fraction"] > 0

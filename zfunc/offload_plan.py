@@ -133,3 +133,17 @@ def roofline(compute_s: float, update_s: float, host_params: int, first_params: 
     return {"compute_s": compute_s, "update_s": update_s, "host_update_s": host_s, "copies_s": copy_s,
             "pcie_bytes": host_params * copy_bytes, "bound_s": bound, "binds": max(parts, key=parts.get),
             "achieved": bound / step_s if step_s > 0 else 0.0}
+
+
+def disk_roofline(compute_s: float, update_s: float, bytes_read: int, bytes_written: int, read_rate: float,
+                  write_rate: float) -> dict:
+    """The same for ``offload_nvme``: the step's disk traffic at the disk's measured rates
+    (``disk_s``) against its measured compute; ``disk_fraction`` is the share of the step the disk
+    would be busy at those rates (near 1: the step runs at the disk's speed)."""
+    disk_s = bytes_read / read_rate + bytes_written / write_rate
+    parts = {"compute": compute_s, "disk": disk_s}
+    bound = max(parts.values())
+    step_s = compute_s + update_s
+    return {"compute_s": compute_s, "update_s": update_s, "disk_bytes": bytes_read + bytes_written, "disk_s": disk_s,
+            "bound_s": bound, "binds": max(parts, key=parts.get), "achieved": bound / step_s if step_s > 0 else 0.0,
+            "disk_fraction": disk_s / step_s if step_s > 0 else 0.0}

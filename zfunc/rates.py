@@ -1,5 +1,5 @@
-"""What this machine does per second for offload: the host's Adam, the device's Adam and the copies
-between them. Measured once per machine and cached, so the offload planner
+"""What this machine does per second for offload: the host's Adam, the device's Adam, the copies
+between them and the disk under the swap files. Measured once per machine and cached, so the offload planner
 (``zfunc.offload_plan``) and each step's roofline work from this machine's figures, not guesses."""
 from __future__ import annotations
 
@@ -60,11 +60,9 @@ def measure(device=None, *, numel: int = 1 << 24, cache: bool = True) -> Rates:
     rates = Rates(host, INF, INF, key) if device.type == "cpu" else Rates(
         host, _adam_rate(device, numel), _copy_rate(device, numel * 4), key)
     if cache:
+        known = _read(path)  # what others wrote meanwhile
         known[key] = rates.to_dict()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
+        _write(known)
     return rates
 
 
@@ -107,3 +105,58 @@ def _copy_rate(device: torch.device, nbytes: int) -> float:
 
 def _sync(device: torch.device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def disk_key(path) -> str:
+    """The cache's key for the disk holding ``path``: this machine and the file system's device."""
+    return f"{machine_key(torch.device('cpu'))}|disk {os.stat(path).st_dev}"
+
+
+def cached_disk(path) -> tuple[float, float] | None:
+    """(read, write) bytes a second of the disk holding ``path`` if ``measure_disk`` cached them;
+    never measures (a step must not write hundreds of MiB to learn it)."""
+    d = _read(cache_path()).get(disk_key(path))
+    return None if d is None else (d["read"], d["write"])
+
+
+def measure_disk(path, *, nbytes: int = 256 << 20, cache: bool = True, refresh: bool = False) -> tuple[float, float]:
+    """(read, write) bytes a second of the disk holding ``path``, through zfunc's own asynchronous
+    I/O (O_DIRECT, the swap files' path): a file of ``nbytes`` written with fsync, then read; cached
+    per machine and disk (``refresh``: measured again all the same), the file removed."""
+    from .ops.aio import AsyncIO, aligned_empty, check_free_space
+
+    os.makedirs(path, exist_ok=True)
+    key = disk_key(path)
+    known = _read(cache_path()) if cache and not refresh else {}
+    if key in known:
+        return known[key]["read"], known[key]["write"]
+    check_free_space(path, nbytes)
+    buf = aligned_empty(nbytes)
+    buf.fill_(1)
+    io, name = AsyncIO(), os.path.join(path, f".zfunc_rates.{os.getpid()}")
+    try:
+        t0 = time.perf_counter()
+        io.pwrite(buf, name, fsync=True)
+        io.wait()
+        write = nbytes / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        io.pread(buf, name)
+        io.wait()
+        read = nbytes / (time.perf_counter() - t0)
+    finally:
+        io.close()
+        if os.path.exists(name):
+            os.remove(name)
+    if cache:
+        known = _read(cache_path())  # what others wrote meanwhile
+        known[key] = {"read": read, "write": write}
+        _write(known)
+    return read, write
+
+
+def _write(known: dict) -> None:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(known, indent=1))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file

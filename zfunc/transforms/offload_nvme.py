@@ -55,6 +55,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -65,6 +66,8 @@ from .. import dist, layout, swap
 from ..buffers import trim as trim_heap
 from ..coordinator import prefetch_settings
 from ..grad import grad_spec
+from ..offload_plan import disk_roofline
+from ..rates import cached_disk
 from ..ops import cpu_adam
 from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count, state_bytes_per_element
 from ..placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
@@ -154,9 +157,10 @@ def piece_size(sub_group_size: int, buffer_size: int) -> int:
 # ---------------------------------------------------------------- the update
 
 
-def swapped_optimizer(optimizer: Optimizer, piece: int) -> Optimizer:
+def swapped_optimizer(optimizer: Optimizer, piece: int, record: dict | None = None) -> Optimizer:
     """``optimizer`` over state held in swap files, run one sub-group of at most ``piece`` elements
-    at a time (``piece_size``); init makes a unit's state ``piece`` elements at a time too."""
+    at a time (``piece_size``); init makes a unit's state ``piece`` elements at a time too.
+    ``record`` (if given) gets the update's start and end, for the step's roofline."""
 
     def init(params: Params):
         store = swap.store_of(params.spec.swap)
@@ -189,7 +193,11 @@ def swapped_optimizer(optimizer: Optimizer, piece: int) -> Optimizer:
                lowp_params=None):
         if lowp_params is not None:
             raise ValueError("offload_nvme goes outside mixed_precision: zeroN(offload_nvme(mixed_precision(f)))")
-        return _Update(optimizer, grads, opt_state, params, info, piece).run()
+        started = time.perf_counter()
+        out = _Update(optimizer, grads, opt_state, params, info, piece).run()
+        if record is not None:
+            record.update(started=started, ended=time.perf_counter())
+        return out
 
     return Optimizer(init, update, fuses=True)
 
@@ -460,6 +468,7 @@ class OffloadNvme(Transform):
         self.buffer_count, self.buffer_size = buffer_count, buffer_size
         self.piece = piece_size(sub_group_size, buffer_size)  # elements of each state tensor the update holds at once
         self.aio = aio
+        self._record: dict = {}  # the last update's start and end (swapped_optimizer), for the roofline
 
     @property
     def name(self) -> str:
@@ -477,7 +486,7 @@ class OffloadNvme(Transform):
                        param_home=NVME if self.params else p.param_home)
 
     def wrap_optimizer(self, optimizer):
-        return swapped_optimizer(optimizer, self.piece)
+        return swapped_optimizer(optimizer, self.piece, self._record)
 
     def wrap_grad(self, grad_fn):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
@@ -494,14 +503,24 @@ class OffloadNvme(Transform):
         swap.check_state(state)
 
     def begin_step(self, state):
-        return swap.io_counts(state)
+        self._record.clear()
+        counts = swap.io_counts(state)
+        return None if counts is None else (counts, time.perf_counter())
 
     def step_metrics(self, state, begun) -> dict:
-        """``nvme``: this step's disk traffic (bytes) and the pool's use."""
+        """``nvme``: this step's disk traffic (bytes) and the pool's use; ``offload``: its roofline
+        against the disk's rates, where ``zfunc.rates.measure_disk`` has measured them."""
         if begun is None:
             return {}
+        begun, t0 = begun
         after = swap.io_counts(state)
-        return {"nvme": {k: after[k] - begun[k] if k.startswith("bytes") else after[k] for k in after}}
+        out = {"nvme": {k: after[k] - begun[k] if k.startswith("bytes") else after[k] for k in after}}
+        disk = cached_disk(self.path) if "started" in self._record else None
+        if disk is not None:
+            r, io = self._record, out["nvme"]
+            out["offload"] = disk_roofline(r["started"] - t0, r["ended"] - r["started"], io["bytes_read"],
+                                           io["bytes_written"], *disk)
+        return out
 
     def grad_stats(self, g: torch.Tensor) -> tuple[float, bool] | None:
         return swap.grad_stats(g) if swap.on_disk(g) else None
