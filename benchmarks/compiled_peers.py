@@ -17,7 +17,6 @@ parameters less the embedding table; the peak is 989 TFLOP/s (H100 SXM dense bf1
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
 from _launch import launch  # noqa: E402
+from _peer import finish, timed_steps  # noqa: E402
 
 import zfunc as zf  # noqa: E402
 
@@ -173,17 +173,7 @@ def measure(a):
     train = build(a.worker, model, a)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(a.vocab, (a.batch, a.seq), generator=gen).to(a.device) for _ in range(a.warmup + a.steps)]
-    times, losses = [], []
-    for i, ids in enumerate(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = train(ids)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        print(f"step {i}: {times[-1]:.3f} s, loss {losses[-1]:.5f}", flush=True)
+    times, losses = timed_steps(train, batches, cuda, a.warmup)
     return dict(status="ok", params=params, first_s=times[0], step_s=statistics.median(times[a.warmup:]), losses=losses)
 
 
@@ -193,13 +183,7 @@ def worker(a):
     except BaseException as e:  # a peer that fails is a row that says why
         traceback.print_exc()
         out = dict(status=f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
-    if a.device == "cuda" and torch.cuda.is_available():
-        out["gpu_peak"] = torch.cuda.max_memory_allocated()
-    out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with open(a.result, "w") as f:
-        json.dump(out, f)
-    sys.stdout.flush()
-    os._exit(0)  # no teardown: a broken process group must not hang the exit
+    finish(a.result, out, a.device == "cuda")
 
 
 def flops_per_token(a, params):

@@ -27,7 +27,6 @@ import argparse
 import glob
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -44,6 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), HERE]  # zfunc from this checkout, installed or not
 from _launch import launch  # noqa: E402
+from _peer import finish, timed_steps  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
 from zero_vs_fsdp import ds_config, fsdp2_shard, lm_loss  # noqa: E402
 
@@ -255,17 +255,7 @@ def measure(a):
     for _ in range(a.warmup + a.steps):
         tokens = torch.randint(a.vocab, (a.accumulate, a.batch, a.seq + 1), generator=gen).to(a.device)
         batches.append([(t[:, :-1], t[:, 1:]) for t in tokens])
-    times, losses = [], []
-    for i, micro in enumerate(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = train(micro)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        print(f"step {i}{' (warm-up)' if i < a.warmup else ''}: {times[-1]:.3f} s, loss {losses[-1]:.5f}", flush=True)
+    times, losses = timed_steps(train, batches, cuda, a.warmup)
     return dict(status="ok", params=params, setup_s=setup_s, step_s=statistics.median(times[a.warmup:]),
                 losses=losses, roofline=ROOFLINES[-1] if ROOFLINES else None)
 
@@ -280,14 +270,7 @@ def worker(a):
         traceback.print_exc()
         msg = (str(e).strip().splitlines() or [""])[0]
         out = dict(status=f"failed: {type(e).__name__}: {msg[:240]}")
-    if a.device == "cuda" and torch.cuda.is_available():
-        out["gpu_peak"] = torch.cuda.max_memory_allocated()
-    out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with open(a.result, "w") as f:
-        json.dump(out, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no teardown: a broken DeepSpeed or NCCL state must not hang or crash the exit
+    finish(a.result, out, a.device == "cuda")
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""What every benchmark worker (one peer in its own process) does alike: time its steps, and
+leave its result, with its peak memory, where the driver reads it."""
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+
+def timed_steps(train, batches, cuda: bool, warmup: int) -> tuple[list[float], list[float]]:
+    """``train(batch)`` on each batch, timed to the device's end (synchronized on CUDA); a line
+    a step. Returns the step times and the losses."""
+    times, losses = [], []
+    for i, batch in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        print(f"step {i}{' (warm-up)' if i < warmup else ''}: {times[-1]:.3f} s, loss {losses[-1]:.5f}", flush=True)
+    return times, losses
+
+
+def finish(result_path: str, out: dict, cuda: bool) -> None:
+    """Write ``out`` with the process's peak GPU memory and RSS to ``result_path`` and exit at once:
+    no teardown, so a broken process group (DeepSpeed's, nccl's) cannot hang or crash the exit."""
+    if cuda and torch.cuda.is_available():
+        out["gpu_peak"] = torch.cuda.max_memory_allocated()
+    out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(result_path, "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
