@@ -469,6 +469,7 @@ class OffloadNvme(Transform):
         self.piece = piece_size(sub_group_size, buffer_size)  # elements of each state tensor the update holds at once
         self.aio = aio
         self._record: dict = {}  # the last update's start and end (swapped_optimizer), for the roofline
+        self._disk = None  # (the disk's measured (read, write) rates or None), read from the cache once
 
     @property
     def name(self) -> str:
@@ -515,7 +516,9 @@ class OffloadNvme(Transform):
         begun, t0 = begun
         after = swap.io_counts(state)
         out = {"nvme": {k: after[k] - begun[k] if k.startswith("bytes") else after[k] for k in after}}
-        disk = cached_disk(self.path) if "started" in self._record else None
+        if self._disk is None:  # read once: a step allocates nothing it does not need
+            self._disk = (cached_disk(self.path),)
+        disk = self._disk[0] if "started" in self._record else None
         if disk is not None:
             r, io = self._record, out["nvme"]
             out["offload"] = disk_roofline(r["started"] - t0, r["ended"] - r["started"], io["bytes_read"],
