@@ -28,7 +28,7 @@ UNITS = [("", 100), ("blocks.0", 50), ("blocks.1", 50), ("blocks.2", 80)]
     (1300, ("",)), (1000, ("blocks.0",)),  # the root does not fit: the next that does
 ])
 def test_the_planner_fills_the_budget_in_forward_order(budget, kept):
-    plan = offload_plan.plan_offload(UNITS, budget=budget, rates=FAST, state_bytes=12, copy_bytes=4)
+    plan = offload_plan.plan_for_budget(UNITS, budget=budget, rates=FAST, state_bytes=12, copy_bytes=4)
     assert plan.device_units == kept
     assert plan.host_units == tuple(n for n, _ in UNITS if n not in kept)
     assert plan.device_bytes == 12 * sum(n for name, n in UNITS if name in kept) <= budget
@@ -39,7 +39,7 @@ def test_the_planner_fills_the_budget_in_forward_order(budget, kept):
 
 def test_a_host_as_fast_as_the_device_keeps_the_device_free():
     slow_device = zf.Rates(host_update=5e9, device_update=5e9, pcie=50e9)
-    assert offload_plan.plan_offload(UNITS, budget=10**9, rates=slow_device, state_bytes=12,
+    assert offload_plan.plan_for_budget(UNITS, budget=10**9, rates=slow_device, state_bytes=12,
                                      copy_bytes=4).device_units == ()
 
 
@@ -47,7 +47,7 @@ def test_a_host_as_fast_as_the_device_keeps_the_device_free():
 @given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.integers(0, 20000), st.sampled_from([8, 12, 16]))
 def test_the_plan_fits_its_budget_and_no_unit_left_on_the_host_would_fit(sizes, budget, state_bytes):
     units = [(f"u{i}", n) for i, n in enumerate(sizes)]
-    plan = offload_plan.plan_offload(units, budget=budget, rates=FAST, state_bytes=state_bytes, copy_bytes=4)
+    plan = offload_plan.plan_for_budget(units, budget=budget, rates=FAST, state_bytes=state_bytes, copy_bytes=4)
     assert plan.device_bytes <= budget
     left = budget - plan.device_bytes
     assert all(n * state_bytes > left for name, n in units if name in plan.host_units)
@@ -61,7 +61,7 @@ def test_deepspeeds_ratio_is_the_share_updated_on_the_host(ratio, kept):
 
 
 def test_a_plan_prints_saves_and_loads(tmp_path):
-    plan = offload_plan.plan_offload(UNITS, budget=1800, rates=FAST, state_bytes=12, copy_bytes=4)
+    plan = offload_plan.plan_for_budget(UNITS, budget=1800, rates=FAST, state_bytes=12, copy_bytes=4)
     text = str(plan)
     assert "2 units updated on the device" in text and "2 on the host" in text and "host update" in text
     plan.save(tmp_path / "plan.json")
@@ -287,7 +287,7 @@ def test_accumulated_sums_leave_the_device_in_the_last_backward(monkeypatch, off
     plain = train()
     copied = []
     monkeypatch.setattr(sinks, "_on_device", lambda t: True)
-    monkeypatch.setattr(sinks, "_to_pinned", lambda t: copied.append(t) or t.clone())
+    monkeypatch.setattr(sinks, "to_host", lambda t, pin: copied.append(t) or t.clone())
     stood_in = train()
     host_units = sum(p.opt_home == CPU for p in stood_in.params.spec.placements)
     assert 0 < host_units and len(copied) == 2 * host_units  # two steps, each host unit's sum once

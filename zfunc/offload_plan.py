@@ -3,7 +3,7 @@
 DeepSpeed's Twin-Flow sets by hand the share of the optimizer state updated on the host
 (``offload_optimizer.ratio``). Here the split is a value, an ``OffloadPlan``: made from a ratio
 (``plan_for_ratio``) or from a device-memory budget and this machine's measured rates
-(``plan_offload``), printed, saved, loaded and handed back to ``offload_cpu(step, plan=...)``.
+(``plan_for_budget``), printed, saved, loaded and handed back to ``offload_cpu(step, plan=...)``.
 
 Units kept on the device are taken in the order the forward uses them: the next step's forward
 needs the first units first, and their update on the device (about 20x the host's rate) is done
@@ -77,14 +77,14 @@ def predict(units: Sequence[tuple[str, int]], device: set[str], rates: Rates, co
             "device update": 0.0 if rates.device_update == INF else n_dev / rates.device_update}
 
 
-def plan_offload(units: Sequence[tuple[str, int]], *, budget: int, rates: Rates, state_bytes: int,
-                 copy_bytes: int) -> OffloadPlan:
+def plan_for_budget(units: Sequence[tuple[str, int]], *, budget: int, rates: Rates, state_bytes: int,
+                    copy_bytes: int) -> OffloadPlan:
     """Keep on the device as many units' update state (``state_bytes`` a parameter) as fit in
     ``budget`` bytes, taken in forward order, first fit (``units``: (name, parameters on this
     rank), in that order); each one kept moves its update from the host's rate to the device's and
     saves its copies, so the step's update time falls with every byte of the budget used."""
     if budget < 0:
-        raise ValueError(f"plan_offload: budget must be >= 0 bytes, got {budget}")
+        raise ValueError(f"plan_for_budget: budget must be >= 0 bytes, got {budget}")
     left, device = budget, []
     if rates.device_update > rates.host_update:  # else the host is as fast: keep the device's memory free
         for name, n in units:

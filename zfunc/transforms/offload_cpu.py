@@ -39,14 +39,13 @@ import torch
 
 from .. import dist
 from ..grad import grad_spec
-from ..offload_plan import OffloadPlan, plan_for_ratio, roofline
-from ..offload_plan import plan_offload as plan_from_rates
+from ..offload_plan import OffloadPlan, plan_for_budget, plan_for_ratio, roofline
 from ..rates import Rates
 from ..rates import measure as measure_rates
 from ..optim.optimizers import Optimizer, apply_update, state_bytes_per_element
 from ..placement import CPU, DEVICE, Placement, compute_device
 from ..pytree import tree_leaves, tree_map
-from .sinks import GradOffHome, with_grad_sink
+from .sinks import GradOffHome, to_host, with_grad_sink
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
 from ..tree import Params, build_spec
@@ -80,14 +79,6 @@ class HostState(NamedTuple):
 
     params: Any
     inner: Any
-
-
-def to_host(t, pin: bool):
-    """``t`` in CPU memory (pinned if ``pin``): ``t`` itself if it is already there."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    return out.copy_(t, non_blocking=pin)
 
 
 def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None) -> Optimizer:
@@ -255,30 +246,16 @@ class Offload(Transform):
             return p  # its optimizer state, master and gradient stay on the device, updated there
         return self.place(p, unit)
 
-    def plan_for(self, spec, step, p: Placement | None = None, below=None) -> OffloadPlan | None:
-        """The split of ``spec``'s units between the device and the host: the plan given, or one
-        made from the ratio or the budget (then from this machine's measured rates). ``below``:
-        the offload_cpu of ``step`` whose inner optimizer's state is counted (default: this one)."""
-        below = below or self
+    def plan_for(self, spec, step, p: Placement) -> OffloadPlan | None:
+        """The split of ``spec``'s units between the device and the host (``_make_plan``), made
+        once per model spec."""
         if self.plan is None and self.ratio is None and self.budget is None:
             return None
         made = self._kept.get(id(spec))
-        if made is not None and made[0] is spec:
-            return made[1]
-        w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
-        units = [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
-        if self.plan is not None:
-            self.plan.check([name for name, _ in units])
-            plan = self.plan
-        elif self.ratio is not None:
-            plan = plan_for_ratio(units, self.ratio, state_bytes_per_element(step.update_part(below=below)))
-        else:
-            item = ((p.param_dtype if p is not None else None) or spec.units[0].trainable.dtype).itemsize
-            rates = self.rates or measure_rates(dist.compute_device(step.group))
-            plan = plan_from_rates(units, budget=self.budget, rates=rates, copy_bytes=2 * item,
-                                state_bytes=state_bytes_per_element(step.update_part(below=below)))
-        self._kept[id(spec)] = (spec, plan)
-        return plan
+        if made is None or made[0] is not spec:
+            made = self._kept[id(spec)] = (spec, _make_plan(spec, step, self, p, self.plan, self.ratio, self.budget,
+                                                           self.rates))
+        return made[1]
 
     def begin_step(self, state):
         self._record.clear()
@@ -289,10 +266,11 @@ class Offload(Transform):
         r = self._record
         if begun is None or "started" not in r:
             return {}
-        device = next((t.device for t in state.params.leaves if t is not None and t.device.type != "meta"), None)
-        rates = self.rates or measure_rates(device)
+        if self.rates is None:  # this machine's, once per transform (measured, or read from the cache)
+            device = next((t.device for t in state.params.leaves if t is not None and t.device.type != "meta"), None)
+            self.rates = measure_rates(device)
         return {"offload": roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"],
-                                    r["first_params"], r["pcie_bytes"], rates)}
+                                    r["first_params"], r["pcie_bytes"], self.rates)}
 
     def init_home(self, step, spec, places, group):
         """With ``params=True``: host-homed shards go to (pinned) host memory as they are made."""
@@ -373,9 +351,26 @@ def plan_offload(step: Step, model, *, budget: int, rates: Rates | None = None) 
     offload = next((t for t in step.transforms if isinstance(t, Offload)), None)
     if offload is None:
         raise ValueError(f"plan_offload: {step.composition} has no offload_cpu to plan for")
-    planner = Offload(offload.pin_memory, offload.copy_grads_on_host, False, None, None, budget, rates)
     spec = build_spec(model, step.units, dist.world_size(step.group))
     p = Placement()
     for t in reversed(step.transforms[step.transforms.index(offload) + 1:]):  # those inside: the stored dtype
         p = t.place(p, spec.units[0])
-    return planner.plan_for(spec, step, p, below=offload)
+    return _make_plan(spec, step, offload, p, None, None, budget, rates or offload.rates)
+
+
+def _make_plan(spec, step, offload: Offload, p: Placement, plan, ratio, budget, rates) -> OffloadPlan:
+    """The plan given (checked against ``spec``'s units), or one made from ``ratio`` or from
+    ``budget`` at ``rates`` (default: this machine's, measured once and cached). Units count this
+    rank's part; their state bytes are those of the optimizer inside ``offload``, and their copies
+    a gradient and a parameter in the dtype the placement ``p`` stores (the units inside it)."""
+    w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
+    units = [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
+    if plan is not None:
+        plan.check([name for name, _ in units])
+        return plan
+    state_bytes = state_bytes_per_element(step.update_part(below=offload))
+    if ratio is not None:
+        return plan_for_ratio(units, ratio, state_bytes)
+    item = (p.param_dtype or spec.units[0].trainable.dtype).itemsize
+    return plan_for_budget(units, budget=budget, rates=rates or measure_rates(dist.compute_device(step.group)),
+                           state_bytes=state_bytes, copy_bytes=2 * item)

@@ -85,7 +85,7 @@ class GradSink(Sink):
             left = self.uses_left.get(unit.index, unit.uses) - 1
             self.uses_left[unit.index] = left
             if left == 0:
-                self.acc[unit.index] = host = _to_pinned(acc)
+                self.acc[unit.index] = host = to_host(acc, pin=True)
                 self.views.pop(unit.index, None)
                 self.copied = True
                 return host
@@ -178,10 +178,13 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def _to_pinned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` copied into pinned host memory without blocking (the caller waits before reading)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    return out.copy_(t, non_blocking=True)
+def to_host(t, pin: bool):
+    """``t`` in CPU memory (pinned if ``pin``, copied without blocking: the caller waits before
+    reading): ``t`` itself if it is already there."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    return out.copy_(t, non_blocking=pin)
 
 
 class GradOffHome(Sink):
