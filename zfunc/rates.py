@@ -60,9 +60,7 @@ def measure(device=None, *, numel: int = 1 << 24, cache: bool = True) -> Rates:
     rates = Rates(host, INF, INF, key) if device.type == "cpu" else Rates(
         host, _adam_rate(device, numel), _copy_rate(device, numel * 4), key)
     if cache:
-        known = _read(path)  # what others wrote meanwhile
-        known[key] = rates.to_dict()
-        _write(known)
+        _remember(key, rates.to_dict())
     return rates
 
 
@@ -148,15 +146,17 @@ def measure_disk(path, *, nbytes: int = 256 << 20, cache: bool = True, refresh: 
         if os.path.exists(name):
             os.remove(name)
     if cache:
-        known = _read(cache_path())  # what others wrote meanwhile
-        known[key] = {"read": read, "write": write}
-        _write(known)
+        _remember(key, {"read": read, "write": write})
     return read, write
 
 
-def _write(known: dict) -> None:
+def _remember(key: str, value: dict) -> None:
+    """Add ``key`` to the cache beside what others wrote meanwhile, atomically: a reader never sees
+    half a file."""
+    known = _read(cache_path())
+    known[key] = value
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    os.replace(tmp, path)
