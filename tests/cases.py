@@ -333,7 +333,8 @@ def micro_batches(b, n: int) -> list:
 def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int = 4, seed: int = 0,
                  precision: dict | None = None, micro: int | None = None, clip: float | None = None,
                  precision_outside: bool = False, units=None, sgd: bool = False, inject=None,
-                 offload: dict | None = None, compile: dict | None = None, device: str = "cpu") -> dict:
+                 offload: dict | None = None, compile: dict | None = None, device: str = "cpu",
+                 peek: bool = True) -> dict:
     """``steps`` steps of ``zeroN([accumulate][mixed_precision](train_step))`` on this rank's
     part of each global batch (split into ``micro`` micro-batches); per-step metrics, the
     full parameters (the fp32 master under mixed precision) and memory accounting.
@@ -343,7 +344,9 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     ``compile``: ``{"how": "blocks" | "wrapped" | "model" | "jit", **torch.compile keywords}``
     (``compiled`` below); ``result["graphs"]``: dynamo's unique graphs after each step.
     ``device``: where the model and batches live (``"cuda"`` under a nccl group); the
-    result comes back on the CPU."""
+    result comes back on the CPU. ``peek``: read the state between steps (``history[i]["unchanged"]``);
+    False leaves it alone, so an update behind the next forward (``offload_cpu(overlap=True)``) runs
+    there."""
     rank, world, model, shape_model, _ = _setup(name, kw, seed)
     model.to(device)
     compiled_model = model if compile is None else compiled(model, compile)
@@ -363,11 +366,13 @@ def run_composed(name: str, kw: dict, stage: int, steps: int = 3, per_rank: int 
     for i in range(steps):
         flags.fill_(float(inject is not None and rank in inject[i]))
         b = local(batch(name, shape_model, i, per_rank * world, seed, device), rank, world)
-        before = [zf.swap.load(t).clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
+        if peek:
+            before = [zf.swap.load(t).clone() for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
         state, metrics = step(state, micro_batches(b, micro) if micro else b)
-        after = [zf.swap.load(t) for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
-        history.append({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()}
-                       | {"unchanged": all(torch.equal(x, y) for x, y in zip(before, after))})
+        if peek:
+            after = [zf.swap.load(t) for t in zf.pytree.tree_leaves((state.params, state.opt_state))]
+            metrics = metrics | {"unchanged": all(torch.equal(x, y) for x, y in zip(before, after))}
+        history.append({k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in metrics.items()})
         graphs.append(counters["stats"]["unique_graphs"])
     with state:  # removes swap files (offload_nvme) when done
         return {

@@ -115,7 +115,7 @@ def plan_for_ratio(units: Sequence[tuple[str, int]], ratio: float, state_bytes: 
 
 
 def roofline(compute_s: float, update_s: float, host_params: int, first_params: int, copy_bytes: int,
-             rates: Rates) -> dict:
+             rates: Rates, waited_s: float | None = None) -> dict:
     """The bound of an offloaded step and how close the step came to it.
 
     ``compute_s``: measured forward and backward (begin to the update); ``update_s``: the
@@ -123,7 +123,10 @@ def roofline(compute_s: float, update_s: float, host_params: int, first_params: 
     its ``host_params`` and their copies at the measured rates, and counts as serial, after the
     compute, only what exactness forces: the update and upload of the first unit the next forward
     needs (``first_params`` of it on the host) once every gradient is agreed. ``achieved`` is the
-    bound over the step's time; ``binds`` names the largest part."""
+    bound over the step's time; ``binds`` names the largest part. Where the update runs behind the
+    next forward (``offload_cpu(overlap=True)``), ``update_s`` is only its serial part and
+    ``waited_s`` the time this step's forward waited for the previous update's units (part of
+    ``compute_s``)."""
     host_s = host_params / rates.host_update
     copy_s = host_params * copy_bytes / rates.pcie
     serial = first_params / rates.host_update + first_params * copy_bytes / rates.pcie
@@ -132,7 +135,7 @@ def roofline(compute_s: float, update_s: float, host_params: int, first_params: 
     step_s = compute_s + update_s
     return {"compute_s": compute_s, "update_s": update_s, "host_update_s": host_s, "copies_s": copy_s,
             "pcie_bytes": host_params * copy_bytes, "bound_s": bound, "binds": max(parts, key=parts.get),
-            "achieved": bound / step_s if step_s > 0 else 0.0}
+            "achieved": bound / step_s if step_s > 0 else 0.0} | ({} if waited_s is None else {"waited_s": waited_s})
 
 
 def disk_roofline(compute_s: float, update_s: float, bytes_read: int, bytes_written: int, read_rate: float,

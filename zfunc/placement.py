@@ -127,9 +127,9 @@ def materialize_start(place: Placement, leaf: torch.Tensor, group, ready: Callab
         return read.then(gather, full)
     if copies_in(place):
         return _copy_in(place, leaf, group, ready)
+    ready()
     if gathers(place, group):
         return dist.all_gather_start(leaf.detach(), group)
-    ready()
     return dist.Pending(leaf.detach())
 
 

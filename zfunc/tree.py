@@ -314,6 +314,12 @@ class Params:
             self._filling.popitem()[1].wait()
         return self._leaves
 
+    @property
+    def leaves_in_flight(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors without waiting for what may still be writing them: for their shapes,
+        dtypes and devices only."""
+        return self._leaves
+
     def leaf_when_ready(self, unit: int):
         """``(leaf, wait)``: unit ``unit``'s tensor and a function that returns
         once it is complete; use the tensor's values only after calling it."""
@@ -323,6 +329,12 @@ class Params:
         pending = self._filling.pop(unit, None)
         if pending is not None:
             pending.wait()
+
+    def waiting_for(self, filling: dict) -> "Params":
+        """These leaves, with each unit in ``filling`` (unit -> an object whose ``wait()`` returns
+        once its values are complete: offload_cpu's update running behind the next forward)
+        waited for as an all-gather still filling it is; the leaves' own waits carry over."""
+        return Params(self.spec, self._leaves, {**self._filling, **filling}, self._starts)
 
     def parameter_ranges(self, unit: int) -> list[tuple[int, int]]:
         """Where each parameter of unit ``unit`` lies in its leaf, ``(start, stop)`` in the leaf's
@@ -395,9 +407,10 @@ class Params:
         r, w = dist.rank(group), dist.world_size(group)
         leaves, filling = [], {}
         for i, (t, lt, held_shard, lheld) in enumerate(
-            zip(self.leaves, local.leaves, self.spec.sharded, local.spec.sharded)
+            zip(self.leaves, local._leaves, self.spec.sharded, local.spec.sharded)
         ):
             if lheld and not held_shard:
+                local._wait(i)  # its slice is complete before it is copied and gathered
                 mine = layout.shard(t, r, w)
                 if lt.data_ptr() != mine.data_ptr():  # the optimizer returned new tensors
                     mine.copy_(lt)
@@ -406,6 +419,8 @@ class Params:
                 leaves.append(t)
             else:
                 leaves.append(lt)
+                if i in local._filling:  # still being written (offload_cpu's update behind the forward)
+                    filling[i] = local._filling[i]
         return Params(self.spec, leaves, filling)
 
 

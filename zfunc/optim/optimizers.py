@@ -92,6 +92,7 @@ class Optimizer(NamedTuple):
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
     fuses: bool = False  # update takes ``info=`` and ``lowp_params=`` (see the module docstring)
+    defers: bool = False  # update takes ``schedule=`` (see the module docstring)
 
 
 @dataclass
@@ -137,12 +138,15 @@ def _realize(updates, info: GradInfo | None) -> None:
 
 
 def apply_update(optimizer: "Optimizer", grads, opt_state, params, *, info: GradInfo | None = None,
-                 lowp_params=None):
+                 lowp_params=None, schedule=None):
     """``optimizer.update``, with ``info`` and ``lowp_params`` folded in by the
     optimizer when it takes them, else done here: gradients scaled in place
-    first, updated parameters cast into ``lowp_params`` after."""
+    first, updated parameters cast into ``lowp_params`` after. ``schedule`` goes to an
+    optimizer that ``defers``; any other does its arithmetic now."""
     if getattr(optimizer, "fuses", False):
         kw = {k: v for k, v in (("info", info), ("lowp_params", lowp_params)) if v is not None}
+        if schedule is not None and getattr(optimizer, "defers", False):
+            kw["schedule"] = schedule
         return optimizer.update(grads, opt_state, params, **kw)
     _realize(grads, info)
     params, opt_state = optimizer.update(grads, opt_state, params)
@@ -213,13 +217,13 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
         return updates, new_state
 
     if applies:
-        def update(grads, opt_state, params, *, info=None, lowp_params=None):
+        def update(grads, opt_state, params, *, info=None, lowp_params=None, schedule=None):
             grads, new_state = transform_grads(grads, opt_state, params, info)
             params, last = apply_update(transforms[-1], grads, opt_state[-1], params, info=info,
-                                        lowp_params=lowp_params)
+                                        lowp_params=lowp_params, schedule=schedule)
             return params, (*new_state, last)
 
-        return Optimizer(init, update, fuses=True)
+        return Optimizer(init, update, fuses=True, defers=getattr(transforms[-1], "defers", False))
 
     def update(updates, state, params=None, *, info=None):
         updates, new_state = transform_grads(updates, state, params, info)
@@ -281,7 +285,7 @@ def adam(
 
 
 def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
-    schedule = as_schedule(name, lr)
+    schedule_lr = as_schedule(name, lr)
     beta1, beta2 = betas
     for label, b in (("betas[0]", beta1), ("betas[1]", beta2)):
         if not 0.0 <= b < 1.0:
@@ -295,31 +299,33 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         return AdamState(_zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params),
                          _zero_steps(params))
 
-    def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None):
+    def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
         p, spec = tree_flatten(params)
         g = _grads_like(grads, p, params)
         mu = _leaves_like(opt_state.mu, "opt_state.mu", p, spec, params)
         nu = _leaves_like(opt_state.nu, "opt_state.nu", p, spec, params)
         steps = _counts_like(opt_state.steps, p, spec)
         lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
-        lr = float(schedule(int(opt_state.count)))
-        # One call per distinct step count (one in all but rare steps): the kernel
-        # takes mixed devices and storage (bf16 params with fp32 moments, fp16
-        # grads), does the math in fp32, multiplies the gradients by the step's
-        # scale as it reads them and writes the low-precision copies.
-        groups = _live_by_step(params, g, steps, info)
-        for step, parts in groups.items():
-            pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
-            fused_adam.adam_update_(
-                pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
-                eps=eps, weight_decay=weight_decay, decoupled=decoupled,
-                grad_scale=1.0 if info is None else info.scale, lowp_params=None if lows is None else pick(lows),
-            )
-        if lows is not None:
-            _cast_the_rest(lows, p, g, groups)
+        lr = float(schedule_lr(int(opt_state.count)))
+        scale = 1.0 if info is None else info.scale
+
+        def work(groups):
+            # One call per distinct step count (one in all but rare steps): the kernel
+            # takes mixed devices and storage (bf16 params with fp32 moments, fp16
+            # grads), does the math in fp32, multiplies the gradients by the step's
+            # scale as it reads them and writes the low-precision copies.
+            for step, parts in groups.items():
+                pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
+                fused_adam.adam_update_(
+                    pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
+                    eps=eps, weight_decay=weight_decay, decoupled=decoupled, grad_scale=scale,
+                    lowp_params=None if lows is None else pick(lows),
+                )
+
+        _run(_live_by_step(params, g, steps, info), work, lows, p, g, schedule)
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
-    return Optimizer(init, update, fuses=True)
+    return Optimizer(init, update, fuses=True, defers=True)
 
 
 def sgd(
@@ -333,7 +339,7 @@ def sgd(
 
     The first update initialises each momentum buffer to the gradient, as torch does.
     """
-    schedule = as_schedule("sgd", lr)
+    schedule_lr = as_schedule("sgd", lr)
     if not momentum >= 0.0:
         raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
     if not weight_decay >= 0.0:
@@ -348,48 +354,50 @@ def sgd(
         bufs = tree_map(_zeros_master, params) if momentum else None
         return SgdState(_zero_count(), bufs, _zero_steps(params))
 
-    def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None):
+    def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
         p_all, spec = tree_flatten(params)
         g_all = _grads_like(grads, p_all, params)
         steps = _counts_like(opt_state.steps, p_all, spec)
         lows = None if lowp_params is None else _lowp_like(lowp_params, p_all, spec)
         bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
-        lr = float(schedule(int(opt_state.count)))
-        groups = _live_by_step(params, g_all, steps, info)
-        for step, parts in groups.items():
-            pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
-            p = pick(p_all)
-            # Work in the state's dtype (fp32 or wider); low-precision params are
-            # updated in that dtype and rounded back.
-            master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
-            masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
-            d_p = [x if x.dtype == d else x.to(d) for x, d in zip(pick(g_all), master_dtypes)]
-            if info is not None and info.scale != 1.0:
-                torch._foreach_mul_(d_p, info.scale)
-            if weight_decay:
-                torch._foreach_add_(d_p, masters, alpha=weight_decay)
-            if momentum:
-                bufs = pick(bufs_all)
-                if step == 0:
-                    torch._foreach_copy_(bufs, d_p)
-                else:
-                    torch._foreach_mul_(bufs, momentum)
-                    torch._foreach_add_(bufs, d_p, alpha=1.0 - dampening)
-                if nesterov:
-                    torch._foreach_add_(d_p, bufs, alpha=momentum)
-                else:
-                    d_p = bufs
-            torch._foreach_add_(masters, d_p, alpha=-lr)
-            for x, m in zip(p, masters):
-                if x is not m:
-                    x.copy_(m)
-            if lows is not None:
-                torch._foreach_copy_(pick(lows), p)
-        if lows is not None:
-            _cast_the_rest(lows, p_all, g_all, groups)
+        lr = float(schedule_lr(int(opt_state.count)))
+        scale = 1.0 if info is None else info.scale
+
+        def work(groups):
+            for step, parts in groups.items():
+                pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
+                p = pick(p_all)
+                # Work in the state's dtype (fp32 or wider); low-precision params are
+                # updated in that dtype and rounded back.
+                master_dtypes = [torch.promote_types(x.dtype, torch.float32) for x in p]
+                masters = [x if x.dtype == d else x.to(d) for x, d in zip(p, master_dtypes)]
+                d_p = [x if x.dtype == d else x.to(d) for x, d in zip(pick(g_all), master_dtypes)]
+                if scale != 1.0:
+                    torch._foreach_mul_(d_p, scale)
+                if weight_decay:
+                    torch._foreach_add_(d_p, masters, alpha=weight_decay)
+                if momentum:
+                    bufs = pick(bufs_all)
+                    if step == 0:
+                        torch._foreach_copy_(bufs, d_p)
+                    else:
+                        torch._foreach_mul_(bufs, momentum)
+                        torch._foreach_add_(bufs, d_p, alpha=1.0 - dampening)
+                    if nesterov:
+                        torch._foreach_add_(d_p, bufs, alpha=momentum)
+                    else:
+                        d_p = bufs
+                torch._foreach_add_(masters, d_p, alpha=-lr)
+                for x, m in zip(p, masters):
+                    if x is not m:
+                        x.copy_(m)
+                if lows is not None:
+                    torch._foreach_copy_(pick(lows), p)
+
+        _run(_live_by_step(params, g_all, steps, info), work, lows, p_all, g_all, schedule)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
-    return Optimizer(init, update, fuses=True)
+    return Optimizer(init, update, fuses=True, defers=True)
 
 
 def _zero_count() -> torch.Tensor:
@@ -471,13 +479,37 @@ def _runs(ranges, got, counts) -> list[tuple[int, Part]]:
     return [(count, (start, stop)) for count, start, stop in runs]
 
 
-def _cast_the_rest(lows, params, grads, groups) -> None:
+def _run(groups, work, lows, params, grads, schedule) -> None:
+    """``work(groups)`` and the casts of ``_cast_the_rest`` now, or (``schedule``: see the module
+    docstring) each leaf's share of them handed to ``schedule``: every leaf with a gradient, its
+    parts of ``groups`` (none where no parameter of it got one: then only its cast)."""
+    if schedule is None:
+        work(groups)
+        if lows is not None:
+            _cast_the_rest(lows, params, grads, groups)
+        return
+    by_leaf: dict[int, dict[int, list[tuple[int, Part]]]] = {i: {} for i, g in enumerate(grads) if g is not None}
+    for step, parts in groups.items():
+        for i, part in parts:
+            by_leaf[i].setdefault(step, []).append((i, part))
+
+    def leaf(i, own):
+        work(own)
+        if lows is not None:
+            _cast_the_rest(lows, params, grads, own, only=i)
+
+    for i, own in by_leaf.items():
+        schedule(i, lambda i=i, own=own: leaf(i, own))
+
+
+def _cast_the_rest(lows, params, grads, groups, only: int | None = None) -> None:
     """Each low-precision copy of a leaf with a gradient is written whole: where the update wrote
     only parts (or nothing), the whole leaf cast from its parameter (what the rest already holds),
-    so a caller may hand over copies it did not read in (offload_nvme's staging buffers)."""
+    so a caller may hand over copies it did not read in (offload_nvme's staging buffers).
+    ``only``: that leaf's copy alone."""
     whole = {i for parts in groups.values() for i, part in parts if part is None}
     for i, g in enumerate(grads):
-        if g is not None and i not in whole:
+        if g is not None and i not in whole and only in (None, i):
             lows[i].copy_(params[i])
 
 

@@ -35,6 +35,7 @@ import time
 from dataclasses import replace
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from .. import dist
@@ -44,7 +45,8 @@ from ..rates import Rates
 from ..rates import measure as measure_rates
 from ..optim.optimizers import Optimizer, apply_update, state_bytes_per_element
 from ..placement import CPU, DEVICE, Placement, compute_device
-from ..pytree import tree_leaves, tree_map
+from ..pytree import NAMESPACE, tree_leaves, tree_map
+from .host_update import UnitUpdates, Uploads
 from .sinks import GradOffHome, to_host, with_grad_sink
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
@@ -81,13 +83,16 @@ class HostState(NamedTuple):
     inner: Any
 
 
-def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None) -> Optimizer:
+def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None,
+                   overlap: UnitUpdates | None = None) -> Optimizer:
     """``optimizer`` run on the CPU over host copies; updated parameters copied back.
 
     Per unit of a ``Params``: a unit whose placement keeps its optimizer state on the device (an
     ``OffloadPlan``'s ``device_units``) is updated there, in the same call (the fused Adam sends
     each tensor to its device's kernel). ``record`` (if given) gets the update's times, the
-    parameters updated on the host and the bytes copied, for the step's roofline."""
+    parameters updated on the host and the bytes copied, for the step's roofline. ``overlap``
+    (an optimizer that ``defers``, over a ``Params``): the host units' arithmetic and uploads
+    run on its worker, unit by unit, and the update returns at once (zfunc.transforms.host_update)."""
 
     def init(params):
         homes = _host_units(params)
@@ -99,6 +104,8 @@ def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None) 
         return HostState(_as_stored(params, copies, pin), inner)
 
     def update(grads, opt_state, params, **kw):
+        if overlap is not None:
+            overlap.drain()  # the previous update is over before this one reads its state
         started = time.perf_counter()
         homes = _host_units(params)
         moved = [g for h, g in zip(homes, _leaves(grads)) if h and g is not None and _off_cpu(g)]
@@ -111,25 +118,61 @@ def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None) 
             work = _with_host_copies(params, opt_state.params)
         if kw.get("lowp_params") is not None:
             kw["lowp_params"] = _by_unit(kw["lowp_params"], homes, lambda t: to_host(t, pin))
+        works: dict[int, list] = {}
+        deferring = overlap is not None and isinstance(params, Params) and None not in params.leaves
+        if deferring:
+            kw["schedule"] = lambda i, w: works.setdefault(i, []).append(w)
         work, inner = apply_update(optimizer, grads, opt_state.inner, work, **kw)
         host, back_srcs, sent_down = None, [], []
+        back = []
         if opt_state.params is not None:
-            back = [(dst, src) for dst, src, h in zip(_leaves(params), _leaves(work), _leaves(opt_state.params))
+            back = [(i, dst, src) for i, (dst, src, h) in enumerate(zip(_leaves(params), _leaves(work), _leaves(opt_state.params)))
                     if h is not None]
-            for dst, src in back:
-                tree_map(lambda d, s: d if d is s else d.copy_(s, non_blocking=pin), dst, src)
-            back_srcs = [src for _, src in back]  # up; down: the gradients of the same units
+            back_srcs = [src for _, _, src in back]  # up; down: the gradients of the same units
             sent_down = [g for g, h in zip(_leaves(grads), _leaves(opt_state.params)) if h is not None and g is not None]
             host = _with_host_copies(opt_state.params, work, only_where_set=True)
-            work = params
+            work_out = params
+        else:
+            work_out = work
+        if works:  # the host units' arithmetic and uploads on the worker, in forward order
+            for i in [i for i in works if not homes[i]]:  # device units: their kernels queued now
+                for w in works.pop(i):
+                    w()
+            ups = _uploads(pin)
+            copy_back = {i: (dst, src) for i, dst, src in back}
+            done = overlap.start(sorted(works), works, lambda i: _copy_back(ups, *copy_back[i]) if i in copy_back
+                                 else None, ups)
+            work_out, host, inner = (_pending(t, done) for t in (work_out, host, inner))
+        else:
+            for _, dst, src in back:
+                tree_map(lambda d, s: d if d is s else d.copy_(s, non_blocking=pin), dst, src)
         if record is not None:
             on_host = [t for h, t in zip(homes, _leaves(work)) if h and t is not None]
             record.update(started=started, ended=time.perf_counter(), host_params=sum(map(_numel, on_host)),
                           first_params=_numel(on_host[0]) if on_host and homes[0] else 0,
                           pcie_bytes=sum(map(_nbytes, sent_down)) + sum(map(_nbytes, back_srcs)))
-        return work, HostState(host, inner)
+        return work_out, HostState(host, inner)
 
     return Optimizer(init, update, fuses=True)
+
+
+def _uploads(pin: bool) -> Uploads:
+    """The copies of updated host values to the device (a seam: tests stand in late copies)."""
+    return Uploads(pin)
+
+
+def _copy_back(uploads: Uploads, dst: torch.Tensor, src: torch.Tensor):
+    """A unit's updated host copy into its device buffer; the upload's mark (None: nothing copied)."""
+    return None if dst is src else uploads.copy(dst, src)
+
+
+def _pending(tree, done: dict):
+    """``tree`` with every ``Params`` in it (the parameters, the optimizer's moments, the master)
+    waiting for ``done``'s units before its values are read (``Params``' filling)."""
+    if tree is None:
+        return None
+    return optree.tree_map(lambda t: t.waiting_for(done) if isinstance(t, Params) else t,
+                           tree, is_leaf=lambda t: isinstance(t, Params), none_is_leaf=True, namespace=NAMESPACE)
 
 
 def _off_cpu(tree) -> bool:
@@ -212,8 +255,10 @@ class Offload(Transform):
 
     def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
                  plan: OffloadPlan | None = None, ratio: float | None = None, budget: int | None = None,
-                 rates: Rates | None = None):
+                 rates: Rates | None = None, overlap: bool | None = None):
         self.pin_memory = pin_memory
+        # the host update behind the next forward (zfunc.transforms.host_update); default: where CUDA is
+        self.overlap = UnitUpdates() if (torch.cuda.is_available() if overlap is None else overlap) else None
         self.copy_grads_on_host = copy_grads_on_host
         self.params = params
         self.plan, self.ratio, self.budget, self.rates = plan, ratio, budget, rates
@@ -267,10 +312,10 @@ class Offload(Transform):
         if begun is None or "started" not in r:
             return {}
         if self.rates is None:  # this machine's, once per transform (measured, or read from the cache)
-            device = next((t.device for t in state.params.leaves if t is not None and t.device.type != "meta"), None)
-            self.rates = measure_rates(device)
+            self.rates = measure_rates(dist.compute_device(state.params.spec.process_group))
+        waited = None if self.overlap is None else self.overlap.take_waited()
         return {"offload": roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"],
-                                    r["first_params"], r["pcie_bytes"], self.rates)}
+                                    r["first_params"], r["pcie_bytes"], self.rates, waited_s=waited)}
 
     def init_home(self, step, spec, places, group):
         """With ``params=True``: host-homed shards go to (pinned) host memory as they are made."""
@@ -283,7 +328,7 @@ class Offload(Transform):
         return _HostHome(self._pin)
 
     def wrap_optimizer(self, optimizer):
-        return host_optimizer(optimizer, self._pin, self._record)
+        return host_optimizer(optimizer, self._pin, self._record, self.overlap)
 
     def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
         """To the CPU: a host copy (pinned where CUDA exists); to DEVICE: onto ``device``."""
@@ -301,7 +346,7 @@ class Offload(Transform):
         def sink(params):
             group = params.spec.process_group  # host-homed parameters get their gradients on the device
             on_host = all(t is None or p.grad_home != CPU or compute_device(p, t, group).type == "cpu"
-                          for t, p in zip(params.leaves, params.spec.placements))
+                          for t, p in zip(params.leaves_in_flight, params.spec.placements))
             if on_host and not self.copy_grads_on_host:  # nothing to copy: autograd hands them on
                 return None
             return GradToHost(grad_spec(params.spec), self._pin)
@@ -311,7 +356,8 @@ class Offload(Transform):
 
 def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
                 copy_grads_on_host: bool = False, plan: OffloadPlan | str | None = None,
-                ratio: float | None = None, budget: int | None = None, rates: Rates | None = None) -> Step:
+                ratio: float | None = None, budget: int | None = None, rates: Rates | None = None,
+                overlap: bool | None = None) -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
 
     ``params``: keep zero3's parameter shards in host memory too, copied to the device as
@@ -324,6 +370,10 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     unit's gradient through the copy-as-backward-finishes path that accelerator parameters take
     (off by default: there is nothing to copy, and that path held about 10% more RSS on the CPU
     benchmark; tests on CPU-only machines turn it on to run that path).
+    ``overlap``: run the host's share of each update unit by unit on a worker thread, behind the
+    next step's forward, which waits for each unit only when it first uses it
+    (zfunc.transforms.host_update; bit for bit the synchronous update). Default: where CUDA is; on a
+    CPU-only machine both would share the same cores.
     """
     expect_step(step, "offload_cpu")
     if sum(x is not None for x in (plan, ratio, budget)) > 1:
@@ -341,7 +391,7 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
         plan = OffloadPlan.load(plan)
     if plan is not None and not isinstance(plan, OffloadPlan):
         raise TypeError(f"offload_cpu: plan must be an OffloadPlan or the path of a saved one, got {type(plan).__name__}")
-    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates))
+    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap))
 
 
 def plan_offload(step: Step, model, *, budget: int, rates: Rates | None = None) -> OffloadPlan:

@@ -110,7 +110,7 @@ def master_weights(optimizer) -> Optimizer:
         master, inner = apply_update(optimizer, grads, opt_state.inner, opt_state.master, lowp_params=params, **kw)
         return params, MixedPrecisionState(master, inner)
 
-    return Optimizer(init, update, fuses=True)
+    return Optimizer(init, update, fuses=True, defers=getattr(optimizer, "defers", False))
 
 
 def _short(dtype: torch.dtype) -> str:
