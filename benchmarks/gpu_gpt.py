@@ -64,7 +64,8 @@ PEERS = {
     "fits": {"zfunc": "zfunc zero3(mixed_precision(train_step(adamw), bf16))",
              "fsdp2": "FSDP2 fully_shard per block + root, MixedPrecisionPolicy bf16 (fp32 reduce), torch AdamW fused",
              "ds3": "DeepSpeed ZeRO-3 bf16, torch AdamW fused"},
-    "offload": {"zfunc_cpu": "zfunc zero3(offload_cpu(mixed_precision(...)))",
+    "offload": {"zfunc_cpu": "zfunc zero3(offload_cpu(mixed_precision(...))): the host update behind the next forward",
+                "zfunc_cpu_sync": "zfunc zero3(offload_cpu(mixed_precision(...), overlap=False)): the update after backward",
                 "zfunc_cpu_params": "zfunc zero3(offload_cpu(mixed_precision(...), params=True))",
                 "zfunc_cpu_plan": "zfunc zero3(offload_cpu(mixed_precision(...), budget=--budget GiB)): planned split",
                 "zfunc_cpu_ratio": "zfunc zero3(offload_cpu(mixed_precision(...), ratio=--ratio)): hand-set split",
@@ -75,7 +76,7 @@ PEERS = {
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
          "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
-                     ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio")],
+                     ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio"), ("zfunc_cpu", "zfunc_cpu_sync")],
          "nvme": [("zfunc_nvme", "ds_nvme")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
 
@@ -135,6 +136,8 @@ def build(peer, model, a):
         step = zf.mixed_precision(step, torch.bfloat16)
         if peer == "zfunc_cpu":
             step = zf.offload_cpu(step)
+        elif peer == "zfunc_cpu_sync":
+            step = zf.offload_cpu(step, overlap=False)
         elif peer == "zfunc_cpu_params":
             try:
                 step = zf.offload_cpu(step, params=True)
@@ -157,6 +160,7 @@ def build(peer, model, a):
             if "offload" in metrics:  # the step's roofline (zfunc.offload_plan.roofline)
                 ROOFLINES.append(metrics["offload"])
             return metrics["loss"]
+        train.settle = lambda: state.params.leaves  # the last update, if it runs behind (reading waits)
         return train
     if peer == "fsdp2":
         fsdp2_shard(model, 1, True, a.device)
@@ -426,16 +430,19 @@ def report(a, rows):
     if roofs:
         print("\nRoofline of the last step (metrics['offload']): compute = forward and backward measured, plus the "
               "first unit's update and upload (the serial part exactness forces); host update and copies at this "
-              "machine's measured rates; achieved = bound / step time.\n")
-        print("| peer | compute s | update s (measured) | host update s | copies s | PCIe GB | bound s | binds | achieved |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+              "machine's measured rates; waited = the forward's wait for the previous update running behind it (a "
+              "part of compute); achieved = bound / step time.\n")
+        print("| peer | compute s | update s (measured) | waited s | host update s | copies s | PCIe GB | bound s | binds "
+              "| achieved |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
         for peer, f in roofs:
             if "disk_s" in f:  # offload_nvme's: the disk at its measured rates (disk busy = disk_fraction)
-                print(f"| {peer} | {f['compute_s']:.3f} | {f['update_s']:.3f} | disk {f['disk_s']:.3f} | "
+                print(f"| {peer} | {f['compute_s']:.3f} | {f['update_s']:.3f} | - | disk {f['disk_s']:.3f} | "
                       f"disk busy {100 * f['disk_fraction']:.0f}% | {f['disk_bytes'] / 1e9:.2f} (disk) | {f['bound_s']:.3f} | "
                       f"{f['binds']} | {100 * f['achieved']:.0f}% |")
                 continue
-            print(f"| {peer} | {f['compute_s']:.3f} | {f['update_s']:.3f} | {f['host_update_s']:.3f} | {f['copies_s']:.3f} | "
+            waited = "-" if f.get("waited_s") is None else f"{f['waited_s']:.3f}"
+            print(f"| {peer} | {f['compute_s']:.3f} | {f['update_s']:.3f} | {waited} | {f['host_update_s']:.3f} | {f['copies_s']:.3f} | "
                   f"{f['pcie_bytes'] / 1e9:.2f} | {f['bound_s']:.3f} | {f['binds']} | {100 * f['achieved']:.0f}% |")
     pairs = [(z, p) for z, p in PAIRS[a.mode] if z in ok and p in ok]
     if pairs:
