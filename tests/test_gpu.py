@@ -174,3 +174,24 @@ def test_two_ranks_share_one_gpu_over_gloo(composition, tmp_path):
     if c.get("precision") is None:
         expected = reference("gpt", {}, steps=3, batch_size=8, device="cuda")
         assert_close_to(runs["cuda"][0]["params"], expected["params"])
+
+
+OVERLAPPED = ["zero3-offload_cpu", "zero3-bf16-offload_cpu", "zero3-offload_params_cpu", "zero3-bf16-offload_cpu-split",
+              "zero3-bf16-accumulate-offload_cpu"]
+
+
+@pytest.mark.parametrize("composition", OVERLAPPED)
+def test_the_update_behind_the_next_forward_equals_it_after_backward_on_cuda(composition):
+    """offload_cpu's host update on its worker thread, uploads on a side stream, the next forward
+    waiting per unit (the state not read between steps, so each forward overlaps the update):
+    bit for bit the update after backward, the same kernels on the same values."""
+    c = COMPOSITIONS[composition]
+    runs = {}
+    for overlap in (False, True):
+        (runs[overlap],) = workers(1, "nccl").run(
+            run_composed, "gpt", {}, c["stage"], 4, 4, 0, c.get("precision"), c.get("micro"), c.get("clip"), False,
+            None, False, None, {**c["offload"], "overlap": overlap}, None, "cuda", False)
+    a, b = runs[False], runs[True]
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
