@@ -44,7 +44,7 @@ SECTIONS = {
                           "--timeout", "120"], 540),
     "gpt-nvme": ([PY, "benchmarks/gpu_gpt.py", "nvme"], 540),
     # the planned split of the update against a hand-set one and ZeRO-Offload, with each step's roofline
-    "gpt-offload-plan": ([PY, "benchmarks/gpu_gpt.py", "offload", "--peers", "zfunc_cpu,zfunc_cpu_sync,zfunc_cpu_plan,zfunc_cpu_ratio,ds_cpu",
+    "gpt-offload-plan": ([PY, "benchmarks/gpu_gpt.py", "offload", "--peers", "zfunc_cpu,zfunc_cpu_sync,zfunc_cpu_host_sums,zfunc_cpu_plan,zfunc_cpu_ratio,ds_cpu",
                           "--accumulate", "8", "--warmup", "1", "--steps", "2", "--timeout", "90"], 540),
     # compiled blocks and zf.jit against plain PyTorch's compiled layers, FSDP2 and DeepSpeed (a 1.1B Llama)
     "compiled": ([PY, "benchmarks/compiled_peers.py", "--steps", "5", "--timeout", "150"], 540),

@@ -66,6 +66,7 @@ PEERS = {
              "ds3": "DeepSpeed ZeRO-3 bf16, torch AdamW fused"},
     "offload": {"zfunc_cpu": "zfunc zero3(offload_cpu(mixed_precision(...))): the host update behind the next forward",
                 "zfunc_cpu_sync": "zfunc zero3(offload_cpu(mixed_precision(...), overlap=False)): the update after backward",
+                "zfunc_cpu_host_sums": "zfunc zero3(offload_cpu(mixed_precision(...), accumulate_on='host')): fp32 sums in host memory",
                 "zfunc_cpu_params": "zfunc zero3(offload_cpu(mixed_precision(...), params=True))",
                 "zfunc_cpu_plan": "zfunc zero3(offload_cpu(mixed_precision(...), budget=--budget GiB)): planned split",
                 "zfunc_cpu_ratio": "zfunc zero3(offload_cpu(mixed_precision(...), ratio=--ratio)): hand-set split",
@@ -76,7 +77,8 @@ PEERS = {
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
          "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
-                     ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio"), ("zfunc_cpu", "zfunc_cpu_sync")],
+                     ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio"), ("zfunc_cpu", "zfunc_cpu_sync"),
+                     ("zfunc_cpu_host_sums", "ds_cpu")],
          "nvme": [("zfunc_nvme", "ds_nvme")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
 
@@ -138,6 +140,8 @@ def build(peer, model, a):
             step = zf.offload_cpu(step)
         elif peer == "zfunc_cpu_sync":
             step = zf.offload_cpu(step, overlap=False)
+        elif peer == "zfunc_cpu_host_sums":
+            step = zf.offload_cpu(step, accumulate_on="host")
         elif peer == "zfunc_cpu_params":
             try:
                 step = zf.offload_cpu(step, params=True)

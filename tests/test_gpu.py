@@ -38,6 +38,9 @@ COMPOSITIONS = {
     "zero3-bf16-accumulate-offload_cpu": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2,
                                           "offload": {"kind": "cpu"}},
     "zero2-accumulate-offload_cpu-split": {"stage": 2, "micro": 2, "offload": {"kind": "cpu", "ratio": 0.5}},
+    # each micro-batch's reduced shard copied down and summed in pinned host memory
+    "zero3-bf16-accumulate-offload_cpu-host_sums": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2,
+                                                    "offload": {"kind": "cpu", "accumulate_on": "host"}},
     "zero3-bf16-offload_nvme": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "nvme"}},
     "zero3-offload_nvme": {"stage": 3, "offload": {"kind": "nvme"}},
 }
@@ -177,7 +180,7 @@ def test_two_ranks_share_one_gpu_over_gloo(composition, tmp_path):
 
 
 OVERLAPPED = ["zero3-offload_cpu", "zero3-bf16-offload_cpu", "zero3-offload_params_cpu", "zero3-bf16-offload_cpu-split",
-              "zero3-bf16-accumulate-offload_cpu"]
+              "zero3-bf16-accumulate-offload_cpu", "zero3-bf16-accumulate-offload_cpu-host_sums"]
 
 
 @pytest.mark.parametrize("composition", OVERLAPPED)

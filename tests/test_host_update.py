@@ -10,6 +10,7 @@ host update has run; the next forward waits for each unit when it first uses it,
 an error in the host update reaches whoever reads the state next."""
 import importlib
 import threading
+import time
 
 import pytest
 import torch
@@ -195,3 +196,40 @@ def test_an_error_in_the_host_update_reaches_the_next_reader(monkeypatch):
     state, _ = step(state, b)  # the update is behind: the step itself returns
     with pytest.raises(RuntimeError, match="the host Adam failed"):
         state.params.leaves
+
+
+def host_sums_run(args: tuple, offload: dict) -> dict:
+    """``run_composed(*args)`` under ``offload`` with every reduced gradient standing in for a device
+    one (``sinks``: copies down are clones, counted) and the host adds late (a reader that did not
+    wait for them would see part of a sum)."""
+    sinks = importlib.import_module("zfunc.transforms.sinks")
+    saved = sinks._on_device, sinks.to_host, sinks._add_landed
+    copies = []
+    sinks._on_device = lambda t: True
+    sinks.to_host = lambda t, pin: copies.append(t.numel()) or t.clone()
+    sinks._add_landed = lambda *a: time.sleep(0.003) or saved[2](*a)
+    try:
+        return run_composed(*args, offload=offload, peek=False) | {"copied": len(copies)}
+    finally:
+        sinks._on_device, sinks.to_host, sinks._add_landed = saved
+
+
+@pytest.mark.parametrize("world, stage", [(1, 3), (2, 2), (3, 3)])
+def test_sums_kept_on_the_host_equal_sums_kept_on_the_device(world, stage):
+    """``accumulate_on="host"``: each micro-batch's reduced shard goes down and is added into a
+    host sum by the worker (once per unit, micro-batch and step), nothing sent home in the last
+    backward; bit for bit the sums kept on the device, with the update overlapped or not."""
+    args = _args(stage=stage, steps=3, micro=3, precision={"dtype": torch.bfloat16}, clip=0.5)
+    device = workers(world).run(host_sums_run, args, {**CPU, "overlap": False})
+    for overlap in (False, True):
+        host = workers(world).run(host_sums_run, args, {**CPU, "overlap": overlap, "accumulate_on": "host"})
+        for a, b in zip(device, host):
+            _same(a, b)
+            units = len(b["units"])
+            assert b["copied"] == 3 * 3 * units  # steps x micro-batches x units, each shard once
+            assert a["copied"] == 3 * units  # on the device: each unit's sum once, in the last backward
+
+
+def test_accumulate_on_must_say_where():
+    with pytest.raises(ValueError, match="accumulate_on must be 'device' or 'host'"):
+        zf.offload_cpu(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), accumulate_on="gpu")

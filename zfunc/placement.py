@@ -24,6 +24,7 @@ A unit's life::
 | param_dtype, frozen_dtype | mixed_precision stores units (and frozen parameters) in its dtype; they are gathered and run in it |
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
 | param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update (with ``params=True`` the parameter shards too); offload_nvme: all three in swap files (parameters and optimizer state as asked) |
+| acc_home | device; offload_cpu(accumulate_on="host"): the fp32 sums of ``accumulate`` in host memory (units whose gradients are reduce-scattered each micro-batch) |
 
 The homes are read where things move: ``param_home`` by materialization (below) and init,
 ``grad_home`` by the grad sinks (offload_cpu's ``GradToHost`` copies a gradient to the host
@@ -58,6 +59,7 @@ class Placement:
     grad_home: str = DEVICE  # where a unit's gradient goes once reduced
     opt: str = REPLICATED
     opt_home: str = DEVICE
+    acc_home: str = DEVICE  # where an accumulating step keeps the unit's fp32 sum between micro-batches
 
     def __post_init__(self):
         for field, value, allowed in (("params", self.params, (REPLICATED, SHARDED)),
@@ -65,7 +67,8 @@ class Placement:
                                       ("grads", self.grads, (ALL_REDUCE, REDUCE_SCATTER)),
                                       ("param_home", self.param_home, (DEVICE, CPU, NVME)),
                                       ("grad_home", self.grad_home, (DEVICE, CPU, NVME)),
-                                      ("opt_home", self.opt_home, (DEVICE, CPU, NVME))):
+                                      ("opt_home", self.opt_home, (DEVICE, CPU, NVME)),
+                                      ("acc_home", self.acc_home, (DEVICE, CPU))):
             if value not in allowed:
                 raise ValueError(f"Placement.{field} must be one of {allowed}, got {value!r}")
 

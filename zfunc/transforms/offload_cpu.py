@@ -255,8 +255,9 @@ class Offload(Transform):
 
     def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
                  plan: OffloadPlan | None = None, ratio: float | None = None, budget: int | None = None,
-                 rates: Rates | None = None, overlap: bool | None = None):
+                 rates: Rates | None = None, overlap: bool | None = None, accumulate_on: str = "device"):
         self.pin_memory = pin_memory
+        self.accumulate_on = accumulate_on
         # the host update behind the next forward (zfunc.transforms.host_update); default: where CUDA is
         self.overlap = UnitUpdates() if (torch.cuda.is_available() if overlap is None else overlap) else None
         self.copy_grads_on_host = copy_grads_on_host
@@ -283,7 +284,8 @@ class Offload(Transform):
                 "offload the optimizer state only")
 
     def place(self, p: Placement, unit) -> Placement:
-        return replace(p, opt_home=CPU, grad_home=CPU, param_home=CPU if self.params else p.param_home)
+        return replace(p, opt_home=CPU, grad_home=CPU, param_home=CPU if self.params else p.param_home,
+                       acc_home=CPU if self.accumulate_on == "host" else p.acc_home)
 
     def place_in(self, p: Placement, unit, spec, step) -> Placement:
         plan = self.plan_for(spec, step, p)
@@ -357,7 +359,7 @@ class Offload(Transform):
 def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
                 copy_grads_on_host: bool = False, plan: OffloadPlan | str | None = None,
                 ratio: float | None = None, budget: int | None = None, rates: Rates | None = None,
-                overlap: bool | None = None) -> Step:
+                overlap: bool | None = None, accumulate_on: str = "device") -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
 
     ``params``: keep zero3's parameter shards in host memory too, copied to the device as
@@ -374,7 +376,14 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     next step's forward, which waits for each unit only when it first uses it
     (zfunc.transforms.host_update; bit for bit the synchronous update). Default: where CUDA is; on a
     CPU-only machine both would share the same cores.
+    ``accumulate_on``: where ``accumulate``'s fp32 sums of the host units live between
+    micro-batches: ``"device"`` (sent home in the last backward) or ``"host"`` (each micro-batch's
+    reduced shard copied down and added in pinned host memory, under zero2 and zero3: 4 bytes a
+    parameter less GPU memory, for a copy and a host add every micro-batch, as DeepSpeed's
+    ZeRO-Offload does).
     """
+    if accumulate_on not in ("device", "host"):
+        raise ValueError(f"offload_cpu: accumulate_on must be 'device' or 'host', got {accumulate_on!r}")
     expect_step(step, "offload_cpu")
     if sum(x is not None for x in (plan, ratio, budget)) > 1:
         raise ValueError("offload_cpu: give one of plan=, ratio= and budget=, which each say which units stay on "
@@ -391,7 +400,8 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
         plan = OffloadPlan.load(plan)
     if plan is not None and not isinstance(plan, OffloadPlan):
         raise TypeError(f"offload_cpu: plan must be an OffloadPlan or the path of a saved one, got {type(plan).__name__}")
-    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap))
+    return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap,
+                             accumulate_on))
 
 
 def plan_offload(step: Step, model, *, budget: int, rates: Rates | None = None) -> OffloadPlan:

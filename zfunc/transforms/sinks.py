@@ -15,6 +15,7 @@ The sink then hands the step its gradients in their home form (``GradSink.grads`
 from __future__ import annotations
 
 import abc
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -46,6 +47,12 @@ class GradSink(Sink):
     micro-batches: read, added to and written back, so RAM holds only the units
     in flight; its norm and inf/NaN check are taken at each write (the last one
     counts), as ``GradToDisk`` does.
+
+    A unit whose placement says ``acc_home`` CPU (``offload_cpu(accumulate_on="host")``) and
+    whose gradient is reduce-scattered each micro-batch keeps its sum in pinned host memory:
+    each micro-batch's reduced shard is copied down without blocking and added there by a worker
+    thread once the copy has landed, so the device holds no accumulator (DeepSpeed's
+    ZeRO-Offload accumulates on the host the same way). ``grads()`` waits for the adds.
     """
 
     def __init__(self, spec):
@@ -59,6 +66,8 @@ class GradSink(Sink):
         self.reducing: dict[int, object] = {}  # unit -> its whole sum's reduction in flight (last micro-batch)
         self.uses_left: dict[int, int] = {}  # unit -> its uses still to come in the last micro-batch
         self.copied = False  # some sum left the device for the host (grads() waits for the copies)
+        self._adder = None  # the worker adding micro-batches into host sums (acc_home CPU)
+        self._adds: list = []  # its adds in flight
 
     def _acc(self, unit) -> torch.Tensor:
         acc = self.acc.get(unit.index)
@@ -66,7 +75,10 @@ class GradSink(Sink):
             padded = self.spec.segment(unit.index).padded
             w = dist.world_size(unit.group)
             n = layout.home_numel(padded, w, self.spec.sharded[unit.index])
-            acc = torch.zeros(n, dtype=torch.float32, device=unit.device)
+            if self._on_host(unit):
+                acc = torch.zeros(n, dtype=torch.float32, device="cpu", pin_memory=torch.cuda.is_available())
+            else:
+                acc = torch.zeros(n, dtype=torch.float32, device=unit.device)
             if unit.index in self.on_file:
                 self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
                 self.store.read_now(acc, self.store.file_of(self.store.grads[unit.index]))
@@ -81,7 +93,7 @@ class GradSink(Sink):
             self.store.write_gradient(acc, self.store.grads[unit.index], cpu_adam.nonfinite_and_sq_norm([acc]))
             self.on_file.add(unit.index)
             self.acc.pop(unit.index, None)
-        elif self.last and unit.place.grad_home == CPU and _on_device(acc):
+        elif self.last and unit.place.grad_home == CPU and unit.place.acc_home != CPU and _on_device(acc):
             left = self.uses_left.get(unit.index, unit.uses) - 1
             self.uses_left[unit.index] = left
             if left == 0:
@@ -126,12 +138,33 @@ class GradSink(Sink):
         tracker = unit.tracker
         if self.spec.sharded[unit.index]:
             pending = unit.send_home_start(grad_full)
-            tracker.reducing(pending.then(lambda g: self._done(unit, acc.add_(g)), acc))
+            add = self._add_on_host if self._on_host(unit) else torch.Tensor.add_
+            tracker.reducing(pending.then(lambda g: self._done(unit, add(acc, g)), acc))
             return
         self._settled(unit)
         acc.add_(grad_full)
         buffers.give(grad_full)
         self._reduce_if_last(unit, acc)
+
+    def _on_host(self, unit) -> bool:
+        """Whether ``unit``'s sum lives in host memory: ``acc_home`` CPU, reduced every micro-batch."""
+        return unit.place.acc_home == CPU and self.spec.sharded[unit.index] and self.store is None
+
+    def _add_on_host(self, acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Add the reduced shard ``g`` into the host sum ``acc``: at once where ``g`` is in host memory;
+        else copied down without blocking and added by the worker once the copy has landed (adds
+        to one sum run in the order their micro-batches came)."""
+        if not _on_device(g):
+            return acc.add_(g)
+        staged = to_host(g, pin=True)
+        landed = None
+        if staged.is_pinned() and torch.cuda.is_available():
+            landed = torch.cuda.Event()
+            landed.record()
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="zfunc-host-sums")
+        self._adds.append(self._adder.submit(_add_landed, acc, staged, landed))
+        return acc
 
     def take_home(self, index: int, grad: torch.Tensor) -> None:
         """Add unit ``index``'s gradient, already in its home form (zf.jit's program reduced it),
@@ -164,6 +197,12 @@ class GradSink(Sink):
 
     def grads(self) -> Params:
         """The accumulated gradients; ``None`` for a unit no micro-batch used."""
+        adds, self._adds = self._adds, []
+        for add in adds:  # the host sums are complete (raising what an add raised)
+            add.result()
+        if self._adder is not None:
+            self._adder.shutdown()
+            self._adder = None
         if self.store is None:
             if self.copied and torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()  # the sums sent home in backward have landed
@@ -171,6 +210,12 @@ class GradSink(Sink):
         self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
         return Params(self.spec, [self.store.grads[i] if i in self.on_file else None
                                   for i in range(len(self.spec.sharded))])
+
+
+def _add_landed(acc: torch.Tensor, staged: torch.Tensor, landed) -> None:
+    if landed is not None:
+        landed.synchronize()
+    acc.add_(staged)
 
 
 def _on_device(t: torch.Tensor) -> bool:
