@@ -433,7 +433,8 @@ def report(a, rows):
     roofs = [(r["peer"], r["roofline"]) for r in rows if r["status"] == "ok" and r.get("roofline")]
     if roofs:
         print("\nRoofline of the last step (metrics['offload']): compute = forward and backward measured, plus the "
-              "first unit's update and upload (the serial part exactness forces); host update and copies at this "
+              "serial part exactness forces (the first unit's update and upload, or the host update the next step's "
+              "first forward cannot cover, whichever is larger); host update and copies at this "
               "machine's measured rates; waited = the forward's wait for the previous update running behind it (a "
               "part of compute); achieved = bound / step time.\n")
         print("| peer | compute s | update s (measured) | waited s | host update s | copies s | PCIe GB | bound s | binds "

@@ -330,3 +330,20 @@ def test_an_nvme_step_reports_its_disk_roofline_where_the_disk_was_measured(tmp_
         assert r["disk_s"] == pytest.approx(io["bytes_read"] / 1e9 + io["bytes_written"] / 5e8)
         assert r["bound_s"] == max(r["compute_s"], r["disk_s"]) and r["binds"] in ("compute", "disk")
         assert r["compute_s"] > 0 and r["update_s"] > 0 and r["disk_fraction"] > 0
+
+
+def test_the_roofline_counts_as_serial_what_the_next_forward_must_wait_for():
+    """The next forward needs every unit within its first micro-batch's forward (a third of the
+    compute over the micro-batches): the host update that forward cannot cover is serial; where it
+    covers all of it, only the first unit's update and upload are."""
+    rates = zf.Rates(host_update=1e9, device_update=1e10, pcie=1e10)
+    covered = offload_plan.roofline(3.0, 0.1, host_params=10**9, first_params=10**8, copy_bytes=2, rates=rates)
+    assert covered["serial_s"] == pytest.approx(0.1 + 0.02)  # 1 s of host update inside a 1 s forward
+    assert covered["bound_s"] == pytest.approx(3.12) and covered["binds"] == "compute"
+    eight = offload_plan.roofline(3.0, 0.1, host_params=10**9, first_params=10**8, copy_bytes=2, rates=rates,
+                                  micro_batches=8)
+    assert eight["serial_s"] == pytest.approx(1.0 - 3.0 / 24)  # one micro-batch's forward covers an eighth
+    waited = offload_plan.roofline(3.5, 0.1, host_params=10**9, first_params=10**8, copy_bytes=2, rates=rates,
+                                   waited_s=0.5, micro_batches=8)
+    assert waited["bound_s"] == pytest.approx(eight["bound_s"]) and waited["waited_s"] == 0.5  # waits are not compute
+    assert waited["achieved"] == pytest.approx(waited["bound_s"] / 3.6)

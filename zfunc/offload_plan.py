@@ -115,27 +115,34 @@ def plan_for_ratio(units: Sequence[tuple[str, int]], ratio: float, state_bytes: 
 
 
 def roofline(compute_s: float, update_s: float, host_params: int, first_params: int, copy_bytes: int,
-             rates: Rates, waited_s: float | None = None) -> dict:
+             rates: Rates, waited_s: float | None = None, micro_batches: int = 1) -> dict:
     """The bound of an offloaded step and how close the step came to it.
 
-    ``compute_s``: measured forward and backward (begin to the update); ``update_s``: the
-    measured update after them. The bound takes the largest of the compute, the host's Adam over
-    its ``host_params`` and their copies at the measured rates, and counts as serial, after the
-    compute, only what exactness forces: the update and upload of the first unit the next forward
-    needs (``first_params`` of it on the host) once every gradient is agreed. ``achieved`` is the
-    bound over the step's time; ``binds`` names the largest part. Where the update runs behind the
-    next forward (``offload_cpu(overlap=True)``), ``update_s`` is only its serial part and
-    ``waited_s`` the time this step's forward waited for the previous update's units (part of
-    ``compute_s``)."""
+    ``compute_s``: measured forward and backward (begin to the update; with the update behind the
+    next forward, ``waited_s`` of it the forward's waits for the previous update); ``update_s``:
+    the measured update after them (with ``overlap``, only its part in the step). The bound is the
+    largest of three: the host's Adam over its ``host_params`` at the measured rate; their copies
+    (gradients down, parameters up) at the measured PCIe rate; and the compute plus what exactness
+    forces to be serial after it. Nothing of a unit's update can start before every gradient is
+    agreed (clipping, the loss scale and the inf/NaN check need it), and the next forward needs
+    every unit within its first micro-batch's forward (``forward_s``: a third of the compute, a
+    backward costing twice a forward, over ``micro_batches``); so serial is the larger of the first
+    unit's update and upload (``first_params`` of it on the host), and what of the host update
+    that forward cannot cover. ``achieved`` is the bound over the step's time; ``binds`` names the
+    largest part."""
     host_s = host_params / rates.host_update
     copy_s = host_params * copy_bytes / rates.pcie
-    serial = first_params / rates.host_update + first_params * copy_bytes / rates.pcie
-    parts = {"compute": compute_s + serial, "host update": host_s, "copies": copy_s}
+    pure = compute_s - (waited_s or 0.0)
+    forward_s = pure / (3 * max(1, micro_batches))
+    first = first_params / rates.host_update + first_params * copy_bytes / rates.pcie
+    serial = max(first, host_s - forward_s)
+    parts = {"compute": pure + serial, "host update": host_s, "copies": copy_s}
     bound = max(parts.values())
     step_s = compute_s + update_s
-    return {"compute_s": compute_s, "update_s": update_s, "host_update_s": host_s, "copies_s": copy_s,
-            "pcie_bytes": host_params * copy_bytes, "bound_s": bound, "binds": max(parts, key=parts.get),
-            "achieved": bound / step_s if step_s > 0 else 0.0} | ({} if waited_s is None else {"waited_s": waited_s})
+    out = {"compute_s": compute_s, "update_s": update_s, "host_update_s": host_s, "copies_s": copy_s,
+           "pcie_bytes": host_params * copy_bytes, "serial_s": serial, "bound_s": bound,
+           "binds": max(parts, key=parts.get), "achieved": bound / step_s if step_s > 0 else 0.0}
+    return out | ({} if waited_s is None else {"waited_s": waited_s})
 
 
 def disk_roofline(compute_s: float, update_s: float, bytes_read: int, bytes_written: int, read_rate: float,

@@ -265,6 +265,7 @@ class Offload(Transform):
         self.plan, self.ratio, self.budget, self.rates = plan, ratio, budget, rates
         self._kept: dict = {}  # id(ModelSpec) -> (spec, the plan made for it)
         self._record: dict = {}  # the last update's times and traffic (host_optimizer), for the roofline
+        self._micro = 1  # micro-batches a step (accumulate's n, seen when the step places its units)
 
     @property
     def name(self) -> str:
@@ -288,6 +289,7 @@ class Offload(Transform):
                        acc_home=CPU if self.accumulate_on == "host" else p.acc_home)
 
     def place_in(self, p: Placement, unit, spec, step) -> Placement:
+        self._micro = next((t.n for t in step.transforms if t.family == "accumulate"), 1)  # for the roofline
         plan = self.plan_for(spec, step, p)
         if plan is not None and unit.name in plan.device_units:
             return p  # its optimizer state, master and gradient stay on the device, updated there
@@ -317,7 +319,8 @@ class Offload(Transform):
             self.rates = measure_rates(dist.compute_device(state.params.spec.process_group))
         waited = None if self.overlap is None else self.overlap.take_waited()
         return {"offload": roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"],
-                                    r["first_params"], r["pcie_bytes"], self.rates, waited_s=waited)}
+                                    r["first_params"], r["pcie_bytes"], self.rates, waited_s=waited,
+                                    micro_batches=self._micro)}
 
     def init_home(self, step, spec, places, group):
         """With ``params=True``: host-homed shards go to (pinned) host memory as they are made."""
