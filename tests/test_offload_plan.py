@@ -347,3 +347,93 @@ def test_the_roofline_counts_as_serial_what_the_next_forward_must_wait_for():
                                    waited_s=0.5, micro_batches=8)
     assert waited["bound_s"] == pytest.approx(eight["bound_s"]) and waited["waited_s"] == 0.5  # waits are not compute
     assert waited["achieved"] == pytest.approx(waited["bound_s"] / 3.6)
+
+
+# ------------------------------------------------------------ offload_nvme: host memory, then the disk
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.integers(0, 20000))
+def test_the_host_plan_fits_its_budget_and_sends_the_rest_to_disk(sizes, budget):
+    units = [(f"u{i}", n) for i, n in enumerate(sizes)]
+    plan = offload_plan.plan_for_host_budget(units, budget=budget, state_bytes=12, disk=(1e9, 5e8))
+    assert plan.device_units == () and plan.host_bytes <= budget
+    assert set(plan.host_units) | set(plan.disk_units) == {n for n, _ in units}
+    assert not set(plan.host_units) & set(plan.disk_units)
+    assert all(n * 12 > budget - plan.host_bytes for name, n in units if name in plan.disk_units)
+    on_disk = 12 * sum(n for name, n in units if name in plan.disk_units)
+    assert list(plan.predicted.values()) == [pytest.approx(on_disk / 1e9 + on_disk / 5e8)]
+
+
+def _nvme_train(swap, precision=False, steps=3, **split):
+    model = Net()
+
+    def loss_fn(params, b):
+        return nn.functional.mse_loss(zf.apply(model, params, b[0]).float(), b[1])
+
+    opt = zf.optim.chain(zf.optim.clip_by_global_norm(0.5), zf.optim.adamw(1e-2))
+    step = zf.train_step(loss_fn, opt, units=lambda name, m: isinstance(m, nn.Sequential))
+    if precision:
+        step = zf.mixed_precision(step, torch.bfloat16)
+    step = zf.zero3(zf.offload_nvme(step, swap, sub_group_size=100, buffer_size=1000, **split))
+    g = torch.Generator().manual_seed(1)
+    with step.init(model) as state:
+        files = sorted(p.name for p in swap.rglob("*.swp"))
+        for _ in range(steps):
+            state, _ = step(state, (torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)))
+        homes = {u.name: p.opt_home for u, p in zip(state.params.spec.model.units, state.params.spec.placements)}
+        return zf.gather_params(state), homes, files, zf.memory_report(state)
+
+
+@pytest.mark.parametrize("precision", [False, True])
+def test_optimizer_state_kept_in_host_memory_equals_it_on_disk(tmp_path, precision):
+    """``offload_nvme(host_budget=)``: the first units' optimizer state (and master) in RAM, the rest
+    in swap files, and no file for what stays in RAM; bit for bit all of it on disk."""
+    disk, _, all_files, _ = _nvme_train(tmp_path / "a", precision)
+    budget = (160 + 16 * 17) * (16 if precision else 12)  # the root and one block (moments, steps, master)
+    split, homes, files, memory = _nvme_train(tmp_path / "b", precision, host_budget=budget)
+    assert homes == {"": CPU, "blocks.0": CPU, "blocks.1": "nvme", "blocks.2": "nvme"}, homes
+    assert not [f for f in files if "exp_avg" in f and ("-blocks.0." in f or f.startswith("u000-"))]
+    assert [f for f in files if "exp_avg" in f and "-blocks.2." in f] and len(files) < len(all_files)
+    assert memory["by_home"]["disk"] > 0
+    for k in disk:
+        assert torch.equal(disk[k], split[k]), k
+
+
+def test_the_host_plan_is_made_saved_and_passed_back(tmp_path):
+    model = Net()
+    step = zf.zero3(zf.offload_nvme(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-2),
+                                                  units=lambda name, m: isinstance(m, nn.Sequential)), tmp_path / "s"))
+    plan = zf.plan_offload(step, model, host_budget=(160 + 16 * 17) * 12)
+    assert plan.host_units == ("", "blocks.0") and plan.disk_units == ("blocks.1", "blocks.2")
+    assert "2 units' optimizer state in host memory" in str(plan) and "2 on disk" in str(plan)
+    plan.save(tmp_path / "plan.json")
+    assert zf.OffloadPlan.load(tmp_path / "plan.json") == plan
+    _, homes, _, _ = _nvme_train(tmp_path / "b", plan=str(tmp_path / "plan.json"))
+    assert [n for n, h in homes.items() if h == CPU] == ["", "blocks.0"]
+    with pytest.raises(ValueError, match="under offload_nvme, give host_budget="):
+        zf.plan_offload(step, model, budget=10)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"host_budget": 10, "plan": zf.OffloadPlan((), ("",))}, "one of host_budget= and plan="),
+    ({"host_budget": 10, "optimizer": False}, r"optimizer=False\) keeps every unit's optimizer state"),
+    ({"host_budget": -1}, "host_budget must be a number of bytes"),
+    ({"plan": zf.OffloadPlan(("",), ())}, "keeps no unit's update on the device"),
+])
+def test_bad_nvme_splits_are_clear_errors(kw, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        zf.offload_nvme(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), tmp_path, **kw)
+
+
+def test_optimizer_state_kept_in_host_memory_equals_it_on_disk_across_ranks(tmp_path):
+    args = ("gpt", {}, 3, 2, 4, 0, {"dtype": torch.bfloat16}, 2, 0.5)
+    nvme = {"kind": "nvme", "sub_group_size": 500, "buffer_size": 4000}
+    disk = workers(2).run(run_composed, *args, False, None, False, None, {**nvme, "path": str(tmp_path / "a")})
+    split = workers(2).run(run_composed, *args, False, None, False, None,
+                           {**nvme, "path": str(tmp_path / "b"), "host_budget": 40_000})
+    for a, b in zip(disk, split):
+        assert 0 < b["memory"]["by_home"]["disk"] < a["memory"]["by_home"]["disk"]  # some state stayed in RAM
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+        assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]

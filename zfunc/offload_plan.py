@@ -1,4 +1,5 @@
-"""Which units' updates ``offload_cpu`` leaves on the device, and the roofline of an offloaded step.
+"""Which units' updates ``offload_cpu`` leaves on the device (and ``offload_nvme`` in host memory),
+and the roofline of an offloaded step.
 
 DeepSpeed's Twin-Flow sets by hand the share of the optimizer state updated on the host
 (``offload_optimizer.ratio``). Here the split is a value, an ``OffloadPlan``: made from a ratio
@@ -8,6 +9,10 @@ DeepSpeed's Twin-Flow sets by hand the share of the optimizer state updated on t
 Units kept on the device are taken in the order the forward uses them: the next step's forward
 needs the first units first, and their update on the device (about 20x the host's rate) is done
 before the host's; the host updates the rest, whose gradients leave the device first in backward.
+
+Under ``offload_nvme`` the same value says which units' optimizer state stays in host memory
+(``host_units``) and which goes to swap files (``disk_units``): ``plan_for_host_budget`` keeps
+as many as fit a budget of host bytes, so the disk moves only the rest's state each step.
 """
 from __future__ import annotations
 
@@ -31,25 +36,37 @@ class OffloadPlan:
     device_bytes: int = 0  # bytes the kept state takes on each device
     predicted: dict = field(default_factory=dict, compare=False)
     rates: Rates | None = field(default=None, compare=False)
+    disk_units: tuple[str, ...] = ()  # offload_nvme: units whose optimizer state is in swap files
+    host_budget: int | None = None  # offload_nvme: bytes of host memory the state kept there may use
+    host_bytes: int = 0  # the bytes it takes
 
     def __str__(self) -> str:
-        lines = [f"OffloadPlan: {len(self.device_units)} units updated on the device "
-                 f"({self.device_bytes / 2**30:.2f} GiB of state"
-                 + (f", budget {self.budget / 2**30:.2f} GiB" if self.budget is not None else "") + f"), "
-                 f"{len(self.host_units)} on the host"]
+        if self.disk_units or self.host_budget is not None:
+            lines = [f"OffloadPlan: {len(self.host_units)} units' optimizer state in host memory "
+                     f"({self.host_bytes / 2**30:.2f} GiB"
+                     + (f", budget {self.host_budget / 2**30:.2f} GiB" if self.host_budget is not None else "")
+                     + f"), {len(self.disk_units)} on disk"]
+        else:
+            lines = [f"OffloadPlan: {len(self.device_units)} units updated on the device "
+                     f"({self.device_bytes / 2**30:.2f} GiB of state"
+                     + (f", budget {self.budget / 2**30:.2f} GiB" if self.budget is not None else "") + f"), "
+                     f"{len(self.host_units)} on the host"]
         lines += [f"  {k}: {v:.3f} s" for k, v in self.predicted.items()]
         return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps({"device_units": list(self.device_units), "host_units": list(self.host_units),
-                           "budget": self.budget, "device_bytes": self.device_bytes, "predicted": self.predicted,
+                           "disk_units": list(self.disk_units), "budget": self.budget,
+                           "device_bytes": self.device_bytes, "host_budget": self.host_budget,
+                           "host_bytes": self.host_bytes, "predicted": self.predicted,
                            "rates": None if self.rates is None else self.rates.to_dict()}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "OffloadPlan":
         d = json.loads(text)
         return cls(tuple(d["device_units"]), tuple(d["host_units"]), d["budget"], d["device_bytes"],
-                   d.get("predicted") or {}, None if d.get("rates") is None else Rates.from_dict(d["rates"]))
+                   d.get("predicted") or {}, None if d.get("rates") is None else Rates.from_dict(d["rates"]),
+                   tuple(d.get("disk_units", ())), d.get("host_budget"), d.get("host_bytes", 0))
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json())
@@ -60,7 +77,7 @@ class OffloadPlan:
 
     def check(self, names: Sequence[str]) -> None:
         """Raise naming what differs where this plan was made for other units than ``names``."""
-        mine, theirs = set(self.device_units) | set(self.host_units), set(names)
+        mine, theirs = set(self.device_units) | set(self.host_units) | set(self.disk_units), set(names)
         if mine != theirs:
             raise ValueError(
                 f"this OffloadPlan was made for other units: the model has {sorted(theirs - mine)[:5]} that it does "
@@ -112,6 +129,26 @@ def plan_for_ratio(units: Sequence[tuple[str, int]], ratio: float, state_bytes: 
     kept = set(device)
     return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), None,
                        sum(n for name, n in units if name in kept) * state_bytes)
+
+
+def plan_for_host_budget(units: Sequence[tuple[str, int]], *, budget: int, state_bytes: int,
+                         disk: tuple[float, float] | None = None) -> OffloadPlan:
+    """``offload_nvme``'s split: keep in host memory as many units' optimizer state (``state_bytes``
+    a parameter) as fit in ``budget`` bytes, in forward order, first fit; the rest in swap files.
+    Every byte kept is a byte the disk neither reads nor writes in a step's update; ``disk``: the
+    disk's measured (read, write) bytes a second, to predict the seconds that traffic takes."""
+    if budget < 0:
+        raise ValueError(f"plan_for_host_budget: budget must be >= 0 bytes, got {budget}")
+    left, host = budget, []
+    for name, n in units:
+        if n * state_bytes <= left:
+            host.append(name)
+            left -= n * state_bytes
+    kept = set(host)
+    on_disk = sum(n for name, n in units if name not in kept) * state_bytes
+    predicted = {} if disk is None else {"disk (optimizer state read and written)": on_disk / disk[0] + on_disk / disk[1]}
+    return OffloadPlan((), tuple(host), predicted=predicted, disk_units=tuple(n for n, _ in units if n not in kept),
+                       host_budget=budget, host_bytes=budget - left)
 
 
 def roofline(compute_s: float, update_s: float, host_params: int, first_params: int, copy_bytes: int,

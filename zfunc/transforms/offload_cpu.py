@@ -50,7 +50,7 @@ from .host_update import UnitUpdates, Uploads
 from .sinks import GradOffHome, to_host, with_grad_sink
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
-from ..tree import Params, build_spec
+from ..tree import Params
 
 
 class GradToHost(GradOffHome):
@@ -296,13 +296,13 @@ class Offload(Transform):
         return self.place(p, unit)
 
     def plan_for(self, spec, step, p: Placement) -> OffloadPlan | None:
-        """The split of ``spec``'s units between the device and the host (``_make_plan``), made
+        """The split of ``spec``'s units between the device and the host (``make_device_plan``), made
         once per model spec."""
         if self.plan is None and self.ratio is None and self.budget is None:
             return None
         made = self._kept.get(id(spec))
         if made is None or made[0] is not spec:
-            made = self._kept[id(spec)] = (spec, _make_plan(spec, step, self, p, self.plan, self.ratio, self.budget,
+            made = self._kept[id(spec)] = (spec, make_device_plan(spec, step, self, p, self.plan, self.ratio, self.budget,
                                                            self.rates))
         return made[1]
 
@@ -407,21 +407,7 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
                              accumulate_on))
 
 
-def plan_offload(step: Step, model, *, budget: int, rates: Rates | None = None) -> OffloadPlan:
-    """The ``OffloadPlan`` ``offload_cpu(..., budget=budget)`` makes for ``model`` under ``step``
-    (which must hold an offload_cpu): print it, save it, pass it back with ``plan=``. ``rates``
-    default to this machine's, measured once and cached (``zfunc.rates.measure``)."""
-    offload = next((t for t in step.transforms if isinstance(t, Offload)), None)
-    if offload is None:
-        raise ValueError(f"plan_offload: {step.composition} has no offload_cpu to plan for")
-    spec = build_spec(model, step.units, dist.world_size(step.group))
-    p = Placement()
-    for t in reversed(step.transforms[step.transforms.index(offload) + 1:]):  # those inside: the stored dtype
-        p = t.place(p, spec.units[0])
-    return _make_plan(spec, step, offload, p, None, None, budget, rates or offload.rates)
-
-
-def _make_plan(spec, step, offload: Offload, p: Placement, plan, ratio, budget, rates) -> OffloadPlan:
+def make_device_plan(spec, step, offload: Offload, p: Placement, plan, ratio, budget, rates) -> OffloadPlan:
     """The plan given (checked against ``spec``'s units), or one made from ``ratio`` or from
     ``budget`` at ``rates`` (default: this machine's, measured once and cached). Units count this
     rank's part; their state bytes are those of the optimizer inside ``offload``, and their copies

@@ -55,6 +55,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -66,7 +67,7 @@ from .. import dist, layout, swap
 from ..buffers import trim as trim_heap
 from ..coordinator import prefetch_settings
 from ..grad import grad_spec
-from ..offload_plan import disk_roofline
+from ..offload_plan import OffloadPlan, disk_roofline, plan_for_host_budget
 from ..rates import cached_disk
 from ..ops import cpu_adam
 from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count, state_bytes_per_element
@@ -461,8 +462,11 @@ class OffloadNvme(Transform):
     family = "offload"
 
     def __init__(self, path, params: bool, optimizer: bool, buffer_count: int, buffer_size: int,
-                 sub_group_size: int, aio: dict | None, prefetch=None, faults: swap.Faults | None = None):
+                 sub_group_size: int, aio: dict | None, prefetch=None, faults: swap.Faults | None = None,
+                 plan: OffloadPlan | None = None, host_budget: int | None = None):
         self.prefetch = prefetch  # the coordinator's settings, if given here
+        self.plan, self.host_budget = plan, host_budget  # which units' optimizer state stays in host memory
+        self._kept: dict = {}  # id(ModelSpec) -> (spec, the plan made for it)
         self.faults = faults  # disk errors armed by a test (swap.Faults), or None
         self.path, self.params, self.optimizer = path, params, optimizer
         self.buffer_count, self.buffer_size = buffer_count, buffer_size
@@ -485,6 +489,23 @@ class OffloadNvme(Transform):
     def place(self, p: Placement, unit) -> Placement:
         return replace(p, grad_home=NVME, opt_home=NVME if self.optimizer else CPU,
                        param_home=NVME if self.params else p.param_home)
+
+    def place_in(self, p: Placement, unit, spec, step) -> Placement:
+        placed = self.place(p, unit)
+        plan = self.plan_for(spec, step)
+        if plan is not None and unit.name in plan.host_units:
+            return replace(placed, opt_home=CPU)  # its optimizer state (and master) in host memory
+        return placed
+
+    def plan_for(self, spec, step) -> OffloadPlan | None:
+        """The split of ``spec``'s units' optimizer state between host memory and disk
+        (``make_host_plan``), made once per model spec."""
+        if self.plan is None and self.host_budget is None:
+            return None
+        made = self._kept.get(id(spec))
+        if made is None or made[0] is not spec:
+            made = self._kept[id(spec)] = (spec, make_host_plan(spec, step, self, self.plan, self.host_budget))
+        return made[1]
 
     def wrap_optimizer(self, optimizer):
         return swapped_optimizer(optimizer, self.piece, self._record)
@@ -645,7 +666,8 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
                  buffer_size: int = int(1e8), sub_group_size: int = int(1e9), aio: dict | None = None,
                  prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
                  max_reuse_distance: int | None = None, collective_timeout: float | None = None,
-                 faults: swap.Faults | None = None) -> Step:
+                 faults: swap.Faults | None = None, host_budget: int | None = None,
+                 plan: OffloadPlan | str | None = None) -> Step:
     """Keep parameters, gradients and optimizer state in swap files under ``path`` (module docstring).
 
     ``params``: parameter shards on disk too (needs zero3, or no stage);
@@ -662,8 +684,30 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     are read from disk (then gathered) ahead of use along the recorded order.
     Settings given to the outermost transform that has any win.
     ``faults``: a ``zf.swap.Faults`` that tests arm to make a disk request fail.
+    ``host_budget``: bytes of host memory for optimizer state: the first units' (forward order,
+    first fit) stay there, the rest go to disk, so the disk moves only theirs each step
+    (``zfunc.offload_plan.plan_for_host_budget``); ``plan``: such a split (an ``OffloadPlan`` with
+    ``disk_units``, or the path of a saved one), from ``zf.plan_offload(step, model, host_budget=)``.
     """
     expect_step(step, "offload_nvme")
+    if host_budget is not None and plan is not None:
+        raise ValueError("offload_nvme: give one of host_budget= and plan=, which each say which units' optimizer "
+                         "state stays in host memory")
+    if (host_budget is not None or plan is not None) and not optimizer:
+        raise ValueError("offload_nvme(optimizer=False) keeps every unit's optimizer state in host memory already: "
+                         "drop host_budget=/plan=, or optimizer=False")
+    if host_budget is not None and not (isinstance(host_budget, int) and not isinstance(host_budget, bool)
+                                        and host_budget >= 0):
+        raise ValueError(f"offload_nvme: host_budget must be a number of bytes >= 0, got {host_budget!r}")
+    if isinstance(plan, (str, os.PathLike)):
+        plan = OffloadPlan.load(plan)
+    if plan is not None and not isinstance(plan, OffloadPlan):
+        raise TypeError(f"offload_nvme: plan must be an OffloadPlan or the path of a saved one, got "
+                        f"{type(plan).__name__}")
+    if plan is not None and plan.device_units:
+        raise ValueError(f"offload_nvme keeps no unit's update on the device, but this plan keeps "
+                         f"{list(plan.device_units)[:3]} there; make it with zf.plan_offload(step, model, "
+                         "host_budget=...), or use offload_cpu(plan=...)")
     if path is None or not str(path):
         raise ValueError("offload_nvme needs path=, a folder on a fast local disk for the swap files")
     for key, value in (("buffer_count", buffer_count), ("buffer_size", buffer_size),
@@ -673,4 +717,18 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     return step.then(OffloadNvme(path, bool(params), bool(optimizer), int(buffer_count), int(buffer_size),
                                  int(sub_group_size), aio, prefetch_settings(
         prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
-        max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout), faults))
+        max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout), faults, plan, host_budget))
+
+
+def make_host_plan(spec, step, offload: OffloadNvme, plan, host_budget) -> OffloadPlan:
+    """The plan given (checked against ``spec``'s units), or one made from ``host_budget``: units
+    count this rank's part, at the state bytes of the optimizer inside ``offload``; the disk's rates
+    (if ``zf.rates.measure_disk`` measured them) predict its traffic."""
+    w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
+    units = [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
+    if plan is not None:
+        plan.check([name for name, _ in units])
+        return plan
+    return plan_for_host_budget(units, budget=host_budget,
+                                state_bytes=state_bytes_per_element(step.update_part(below=offload)),
+                                disk=cached_disk(offload.path) if os.path.exists(offload.path) else None)
