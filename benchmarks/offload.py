@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 import zero_vs_fsdp as zvf  # noqa: E402
 from _launch import launch  # noqa: E402
 
-MODES = ["zero3", "zero3_cpu", "zero3_nvme", "zero3_nvme_noprefetch", "zero3_nvme_small", "ds3", "ds3_cpu", "ds3_nvme"]
-PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_nvme": "ds3_nvme", "zero3_nvme_small": "ds3_nvme",
+MODES = ["zero3", "zero3_cpu", "zero3_cpu_overlap", "zero3_nvme", "zero3_nvme_noprefetch", "zero3_nvme_small", "ds3", "ds3_cpu", "ds3_nvme"]
+PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_cpu_overlap": "ds3_cpu", "zero3_nvme": "ds3_nvme", "zero3_nvme_small": "ds3_nvme",
         "zero3_nvme_noprefetch": "ds3_nvme", "zero3_nvme_small_noprefetch": "ds3_nvme"}
-COMPUTE = {"zero3_cpu": "zero3", "zero3_nvme": "zero3", "zero3_nvme_small": "zero3", "zero3_nvme_noprefetch": "zero3",
+COMPUTE = {"zero3_cpu": "zero3", "zero3_cpu_overlap": "zero3", "zero3_nvme": "zero3", "zero3_nvme_small": "zero3", "zero3_nvme_noprefetch": "zero3",
            "zero3_nvme_small_noprefetch": "zero3",
            "ds3_cpu": "ds3", "ds3_nvme": "ds3"}
 
