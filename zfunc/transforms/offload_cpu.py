@@ -123,8 +123,7 @@ def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None,
         if deferring:
             kw["schedule"] = lambda i, w: works.setdefault(i, []).append(w)
         work, inner = apply_update(optimizer, grads, opt_state.inner, work, **kw)
-        host, back_srcs, sent_down = None, [], []
-        back = []
+        host, back, back_srcs, sent_down = None, [], [], []
         if opt_state.params is not None:
             back = [(i, dst, src) for i, (dst, src, h) in enumerate(zip(_leaves(params), _leaves(work), _leaves(opt_state.params)))
                     if h is not None]
