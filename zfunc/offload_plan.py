@@ -17,10 +17,12 @@ as many as fit a budget of host bytes, so the disk moves only the rest's state e
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
+from . import dist
 from .rates import INF, Rates
 
 
@@ -85,6 +87,46 @@ class OffloadPlan:
                 "this model (zf.plan_offload, or offload_cpu(ratio=...))")
 
 
+def as_plan(plan, who: str) -> "OffloadPlan | None":
+    """``plan`` as an ``OffloadPlan``: itself, or loaded from the path of a saved one."""
+    if isinstance(plan, (str, os.PathLike)):
+        plan = OffloadPlan.load(plan)
+    if plan is not None and not isinstance(plan, OffloadPlan):
+        raise TypeError(f"{who}: plan must be an OffloadPlan or the path of a saved one, got {type(plan).__name__}")
+    return plan
+
+
+def check_budget(value, who: str, name: str = "budget") -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ValueError(f"{who}: {name} must be a number of bytes >= 0, got {value!r}")
+
+
+def rank_units(spec, step) -> list[tuple[str, int]]:
+    """``(name, parameters)`` of ``spec``'s units in forward order, counting this rank's part where
+    ``step`` shards them (a ZeRO stage)."""
+    w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
+    return [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
+
+
+def once_per_spec(kept: dict, spec, make: Callable[[], "OffloadPlan"]) -> "OffloadPlan":
+    """The plan ``make()`` made for ``spec``, made once (``kept``: the transform's, by spec)."""
+    made = kept.get(id(spec))
+    if made is None or made[0] is not spec:
+        made = kept[id(spec)] = (spec, make())
+    return made[1]
+
+
+def _first_fit(units: Sequence[tuple[str, int]], budget: int, state_bytes: int) -> tuple[list[str], int]:
+    """The units whose state (``state_bytes`` a parameter) fits in ``budget`` bytes, taken in
+    order, first fit; and the bytes they take."""
+    left, kept = budget, []
+    for name, n in units:
+        if n * state_bytes <= left:
+            kept.append(name)
+            left -= n * state_bytes
+    return kept, budget - left
+
+
 def predict(units: Sequence[tuple[str, int]], device: set[str], rates: Rates, copy_bytes: int) -> dict:
     """Seconds a step's update takes by part: the host's Adam over its units, their copies
     (gradients down, parameters up: ``copy_bytes`` a parameter) and the device's Adam."""
@@ -102,14 +144,10 @@ def plan_for_budget(units: Sequence[tuple[str, int]], *, budget: int, rates: Rat
     saves its copies, so the step's update time falls with every byte of the budget used."""
     if budget < 0:
         raise ValueError(f"plan_for_budget: budget must be >= 0 bytes, got {budget}")
-    left, device = budget, []
-    if rates.device_update > rates.host_update:  # else the host is as fast: keep the device's memory free
-        for name, n in units:
-            if n * state_bytes <= left:
-                device.append(name)
-                left -= n * state_bytes
+    # a host as fast as the device: keep the device's memory free
+    device, used = _first_fit(units, budget, state_bytes) if rates.device_update > rates.host_update else ([], 0)
     kept = set(device)
-    return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), budget, budget - left,
+    return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), budget, used,
                        predict(units, kept, rates, copy_bytes), rates)
 
 
@@ -139,16 +177,12 @@ def plan_for_host_budget(units: Sequence[tuple[str, int]], *, budget: int, state
     disk's measured (read, write) bytes a second, to predict the seconds that traffic takes."""
     if budget < 0:
         raise ValueError(f"plan_for_host_budget: budget must be >= 0 bytes, got {budget}")
-    left, host = budget, []
-    for name, n in units:
-        if n * state_bytes <= left:
-            host.append(name)
-            left -= n * state_bytes
+    host, used = _first_fit(units, budget, state_bytes)
     kept = set(host)
     on_disk = sum(n for name, n in units if name not in kept) * state_bytes
     predicted = {} if disk is None else {"disk (optimizer state read and written)": on_disk / disk[0] + on_disk / disk[1]}
     return OffloadPlan((), tuple(host), predicted=predicted, disk_units=tuple(n for n, _ in units if n not in kept),
-                       host_budget=budget, host_bytes=budget - left)
+                       host_budget=budget, host_bytes=used)
 
 
 def roofline(compute_s: float, update_s: float, host_params: int, first_params: int, copy_bytes: int,

@@ -20,7 +20,6 @@ while the worker updates.
 """
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -88,8 +87,6 @@ class UnitUpdates:
         self._pool: ThreadPoolExecutor | None = None
         self._last: list[Future] = []
         self.waited_s = 0.0  # time readers spent waiting for units, since the last ``take_waited``
-        self.busy_s = 0.0  # the worker's time on the last update
-        self._lock = threading.Lock()
 
     def drain(self) -> None:
         """Wait for the previous update's every unit (raising what it raised): the next update
@@ -106,19 +103,14 @@ class UnitUpdates:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="zfunc-host-update")
         threads = torch.get_num_threads()  # the worker's kernels use as many threads as the caller's
-        self.busy_s = 0.0
         uploads.begin()
 
         def run(i):
-            began = time.perf_counter()
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             for work in works[i]:
                 work()
-            mark = upload(i)
-            with self._lock:
-                self.busy_s += time.perf_counter() - began
-            return mark
+            return upload(i)
 
         done = {}
         for i in order:

@@ -30,7 +30,6 @@ inside the ZeRO stage: ``zero3(offload_cpu(mixed_precision(f)))``.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -40,7 +39,8 @@ import torch
 
 from .. import dist
 from ..grad import grad_spec
-from ..offload_plan import OffloadPlan, plan_for_budget, plan_for_ratio, roofline
+from ..offload_plan import (OffloadPlan, as_plan, check_budget, once_per_spec, plan_for_budget, plan_for_ratio,
+                            rank_units, roofline)
 from ..rates import Rates
 from ..rates import measure as measure_rates
 from ..optim.optimizers import Optimizer, apply_update, state_bytes_per_element
@@ -299,11 +299,8 @@ class Offload(Transform):
         once per model spec."""
         if self.plan is None and self.ratio is None and self.budget is None:
             return None
-        made = self._kept.get(id(spec))
-        if made is None or made[0] is not spec:
-            made = self._kept[id(spec)] = (spec, make_device_plan(spec, step, self, p, self.plan, self.ratio, self.budget,
-                                                           self.rates))
-        return made[1]
+        return once_per_spec(self._kept, spec, lambda: make_device_plan(spec, step, self, p, self.plan, self.ratio,
+                                                                        self.budget, self.rates))
 
     def begin_step(self, state):
         self._record.clear()
@@ -396,12 +393,8 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ValueError(f"offload_cpu: ratio must be in [0, 1] (the share of parameters updated on the host), got "
                          f"{ratio}")
-    if budget is not None and not (isinstance(budget, int) and budget >= 0):
-        raise ValueError(f"offload_cpu: budget must be a number of bytes >= 0, got {budget!r}")
-    if isinstance(plan, (str, os.PathLike)):
-        plan = OffloadPlan.load(plan)
-    if plan is not None and not isinstance(plan, OffloadPlan):
-        raise TypeError(f"offload_cpu: plan must be an OffloadPlan or the path of a saved one, got {type(plan).__name__}")
+    check_budget(budget, "offload_cpu")
+    plan = as_plan(plan, "offload_cpu")
     return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap,
                              accumulate_on))
 
@@ -411,8 +404,7 @@ def make_device_plan(spec, step, offload: Offload, p: Placement, plan, ratio, bu
     ``budget`` at ``rates`` (default: this machine's, measured once and cached). Units count this
     rank's part; their state bytes are those of the optimizer inside ``offload``, and their copies
     a gradient and a parameter in the dtype the placement ``p`` stores (the units inside it)."""
-    w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
-    units = [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
+    units = rank_units(spec, step)
     if plan is not None:
         plan.check([name for name, _ in units])
         return plan

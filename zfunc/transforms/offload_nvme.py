@@ -67,7 +67,8 @@ from .. import dist, layout, swap
 from ..buffers import trim as trim_heap
 from ..coordinator import prefetch_settings
 from ..grad import grad_spec
-from ..offload_plan import OffloadPlan, disk_roofline, plan_for_host_budget
+from ..offload_plan import (OffloadPlan, as_plan, check_budget, disk_roofline, once_per_spec, plan_for_host_budget,
+                            rank_units)
 from ..rates import cached_disk
 from ..ops import cpu_adam
 from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count, state_bytes_per_element
@@ -502,10 +503,7 @@ class OffloadNvme(Transform):
         (``make_host_plan``), made once per model spec."""
         if self.plan is None and self.host_budget is None:
             return None
-        made = self._kept.get(id(spec))
-        if made is None or made[0] is not spec:
-            made = self._kept[id(spec)] = (spec, make_host_plan(spec, step, self, self.plan, self.host_budget))
-        return made[1]
+        return once_per_spec(self._kept, spec, lambda: make_host_plan(spec, step, self, self.plan, self.host_budget))
 
     def wrap_optimizer(self, optimizer):
         return swapped_optimizer(optimizer, self.piece, self._record)
@@ -696,14 +694,8 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     if (host_budget is not None or plan is not None) and not optimizer:
         raise ValueError("offload_nvme(optimizer=False) keeps every unit's optimizer state in host memory already: "
                          "drop host_budget=/plan=, or optimizer=False")
-    if host_budget is not None and not (isinstance(host_budget, int) and not isinstance(host_budget, bool)
-                                        and host_budget >= 0):
-        raise ValueError(f"offload_nvme: host_budget must be a number of bytes >= 0, got {host_budget!r}")
-    if isinstance(plan, (str, os.PathLike)):
-        plan = OffloadPlan.load(plan)
-    if plan is not None and not isinstance(plan, OffloadPlan):
-        raise TypeError(f"offload_nvme: plan must be an OffloadPlan or the path of a saved one, got "
-                        f"{type(plan).__name__}")
+    check_budget(host_budget, "offload_nvme", "host_budget")
+    plan = as_plan(plan, "offload_nvme")
     if plan is not None and plan.device_units:
         raise ValueError(f"offload_nvme keeps no unit's update on the device, but this plan keeps "
                          f"{list(plan.device_units)[:3]} there; make it with zf.plan_offload(step, model, "
@@ -724,8 +716,7 @@ def make_host_plan(spec, step, offload: OffloadNvme, plan, host_budget) -> Offlo
     """The plan given (checked against ``spec``'s units), or one made from ``host_budget``: units
     count this rank's part, at the state bytes of the optimizer inside ``offload``; the disk's rates
     (if ``zf.rates.measure_disk`` measured them) predict its traffic."""
-    w = dist.world_size(step.group) if any(t.family == "zero" for t in step.transforms) else 1
-    units = [(u.name, -(-u.trainable.padded // w)) for u in spec.units]
+    units = rank_units(spec, step)
     if plan is not None:
         plan.check([name for name, _ in units])
         return plan
