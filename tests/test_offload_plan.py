@@ -2,8 +2,12 @@
 the planner's choice on fake rates and budgets, DeepSpeed's ratio, the plan printed, saved and
 passed back, the engine's ``offload_optimizer.ratio``; a split step equals the unsplit one bit for
 bit on the CPU at W = 1 and 2; the roofline each offloaded step reports; the rates' cache."""
+import dataclasses
+import importlib
 import json
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -437,3 +441,289 @@ def test_optimizer_state_kept_in_host_memory_equals_it_on_disk_across_ranks(tmp_
         for k in a["params"]:
             assert torch.equal(a["params"][k], b["params"][k]), k
         assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
+
+
+# ------------------------------------------------ plans given to another model; budgets of any number type
+
+
+class Stack(nn.Module):
+    """``depth`` blocks of ``width``: the same unit names at every width."""
+
+    def __init__(self, width: int, depth: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth))
+        self.out = nn.Linear(width, 2)
+
+
+POLICIES = {"blocks": lambda name, m: isinstance(m, nn.Sequential), "linears": lambda name, m: isinstance(m, nn.Linear)}
+
+
+def _split_step(kind, policy="blocks", path=None, precision=False, opt=None, **split):
+    step = zf.train_step(lambda p, b: 0, opt or zf.optim.adamw(1e-2), units=POLICIES[policy])
+    if precision:
+        step = zf.mixed_precision(step, torch.bfloat16)
+    if kind == "cpu":
+        return zf.zero3(zf.offload_cpu(step, copy_grads_on_host=True, **split))
+    return zf.zero3(zf.offload_nvme(step, path, sub_group_size=1000, buffer_size=10_000, **split))
+
+
+def _unit_sizes(model, policy, world=1) -> dict:
+    """Each unit's parameters on a rank of ``world``, counted from the model's modules."""
+    units = [name for name, m in model.named_modules() if name and POLICIES[policy](name, m)]
+    owned = {}
+    for name, p in model.named_parameters():
+        unit = max((u for u in units if name.startswith(u + ".")), key=len, default="")
+        owned[unit] = owned.get(unit, 0) + p.numel()
+    return {u: -(-n // world) for u, n in owned.items()}
+
+
+def _made_plan(kind, step, model, share=2):
+    """The plan ``step`` makes for ``model`` with a budget of about 1/``share`` of its optimizer state."""
+    key = "budget" if kind == "cpu" else "host_budget"
+    full = zf.plan_offload(step, model, rates=FAST, **{key: 10**15})
+    return zf.plan_offload(step, model, rates=FAST, **{key: (full.device_bytes or full.host_bytes) // share})
+
+
+def _kept(kind, state) -> set:
+    """The units a split keeps on the device (offload_cpu) or in host memory (offload_nvme)."""
+    home = DEVICE if kind == "cpu" else CPU
+    return {u.name for u, p in zip(state.params.spec.model.units, state.params.spec.placements) if p.opt_home == home}
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(["cpu", "nvme"]), policies=st.sampled_from([("blocks",) * 2, ("linears",) * 2,
+                                                                        ("blocks", "linears")]),
+       widths=st.tuples(st.sampled_from([3, 8, 9, 800]), st.sampled_from([3, 8, 9, 800])),
+       depths=st.sampled_from([(2, 2), (1, 1), (3, 3), (2, 3)]), precision=st.booleans())
+def test_a_plan_made_for_another_model_is_refused_at_init_naming_the_unit_and_both_sizes(
+        tmp_path_factory, kind, policies, widths, depths, precision):
+    """A plan records each unit's size; given to a model whose units differ (other names, or the
+    same names at another width: the issue's 8 and 800, which kept 96x the budget on the device)
+    ``init`` refuses it, naming a unit that differs with both sizes and what to do; given to a
+    model of the same sizes it keeps the units it names."""
+    path = tmp_path_factory.mktemp("swap")
+    with torch.device("meta"):
+        made, given_to = Stack(widths[0], depths[0]), Stack(widths[1], depths[1])
+    plan = _made_plan(kind, _split_step(kind, policies[0], path, precision), made)
+    assert {k: v for k, v in plan.unit_sizes} == _unit_sizes(made, policies[0])
+    assert plan.state_bytes == (12 if precision else 8)  # Adam's two moments (and the fp32 master)
+    step = _split_step(kind, policies[1], path, precision, plan=plan)
+    a, b = _unit_sizes(made, policies[0]), _unit_sizes(given_to, policies[1])
+    if a.keys() != b.keys():
+        with pytest.raises(ValueError, match=r"made for other units.*make the plan again .*zf\.plan_offload"):
+            step.init(given_to)
+    elif a != b:
+        with pytest.raises(ValueError, match=r"made for another model: unit .*zf\.plan_offload") as e:
+            step.init(given_to)
+        name, now, was = re.search(r"unit '(.*)' has (\d+) parameters on this rank, the plan was made for (\d+)",
+                                   str(e.value)).groups()
+        assert (int(now), int(was)) == (b[name], a[name]) != (a[name], a[name])
+        differ = sum(a[u] != b[u] for u in a)
+        assert (f"(and {differ - 1} more units differ)" in str(e.value)) == (differ > 1)
+    else:
+        with step.init(given_to) as state:
+            assert _kept(kind, state) == set(plan.device_units if kind == "cpu" else plan.host_units)
+    assert not list(path.iterdir())  # nothing left behind either way
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_a_plan_for_another_optimizer_state_is_refused(tmp_path, kind):
+    model = Stack(8)
+    plan = _made_plan(kind, _split_step(kind, path=tmp_path), model)
+    for other, bytes_ in (({"precision": True}, 12), ({"opt": zf.optim.sgd(0.1)}, 0)):
+        with pytest.raises(ValueError, match=rf"made for an optimizer state of 8 bytes a parameter, this step's "
+                                             rf"takes {bytes_}"):
+            _split_step(kind, path=tmp_path, plan=plan, **other).init(Stack(8))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_a_plan_without_unit_sizes_is_checked_by_the_bytes_it_says_it_keeps(tmp_path, kind):
+    """A plan saved before plans recorded their units' sizes (or written with only names and bytes):
+    its budget and the bytes it says it keeps are checked against the model's own units."""
+    plan = _made_plan(kind, _split_step(kind, path=tmp_path), Stack(8))
+    old = json.loads(plan.to_json())
+    del old["unit_sizes"], old["state_bytes"]
+    old = zf.OffloadPlan.from_json(json.dumps(old))
+    where, said, budget_key = (("device memory", old.device_bytes, "budget") if kind == "cpu" else
+                               ("host memory", old.host_bytes, "host_budget"))
+    with _split_step(kind, path=tmp_path, plan=old).init(Stack(8)) as state:  # the model it was made for
+        assert _kept(kind, state) == set(old.device_units if kind == "cpu" else old.host_units)
+    kept = old.device_units if kind == "cpu" else old.host_units
+    used = 8 * sum(n for u, n in _unit_sizes(Stack(800), "blocks").items() if u in kept)
+    with pytest.raises(ValueError, match=rf"keeps {used} bytes of optimizer state in {where} in this model, more "
+                                         rf"than its {budget_key} of \d+; make the plan again"):
+        _split_step(kind, path=tmp_path, plan=old).init(Stack(800))
+    unbudgeted = dataclasses.replace(old, **{budget_key: None})
+    if kind == "nvme":
+        assert unbudgeted.disk_units  # still offload_nvme's plan
+    with pytest.raises(ValueError, match=rf"says its units keep {said} bytes of optimizer state in {where}; in this "
+                                         rf"model they keep {used}"):
+        _split_step(kind, path=tmp_path, plan=unbudgeted).init(Stack(800))
+    assert not list(tmp_path.iterdir())
+
+
+def plan_check_across_ranks(path: str, made_at_one: "zf.OffloadPlan") -> list:
+    """At W = 2: the plan made here keeps its units; it is refused for a wider model, and so is a plan
+    made at W = 1 for the same model (each rank holds half of each unit)."""
+    rank = torch.distributed.get_rank()
+    step = _split_step("cpu")
+    plan = _made_plan("cpu", step, Stack(8))
+    assert dict(plan.unit_sizes) == _unit_sizes(Stack(8), "blocks", world=2)
+    state = _split_step("cpu", plan=plan).init(Stack(8))
+    out = [_kept("cpu", state) == set(plan.device_units)]
+    for given_plan, model in ((plan, Stack(800)), (made_at_one, Stack(8))):
+        try:
+            _split_step("cpu", plan=given_plan).init(model)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    del rank, path
+    return out
+
+
+def test_the_plan_check_holds_across_ranks(tmp_path):
+    made_at_one = _made_plan("cpu", _split_step("cpu"), Stack(8))
+    halves, ones = _unit_sizes(Stack(8), "blocks", world=2), _unit_sizes(Stack(8), "blocks")
+    for kept, wider, other_world in workers(2).run(plan_check_across_ranks, str(tmp_path), made_at_one):
+        assert kept
+        assert wider and re.search(r"made for another model: unit '.*' has \d+ parameters on this rank", wider)
+        name, now, was = re.search(r"unit '(.*)' has (\d+) parameters on this rank, the plan was made for (\d+)",
+                                   other_world).groups()
+        assert (int(now), int(was)) == (halves[name], ones[name])
+
+
+WHOLE = [lambda n: n, float, np.int64, np.uint64, np.float64, lambda n: np.int32(min(n, 2**31 - 1))]
+NOT_WHOLE = [1.5, -1, -1.0, True, False, float("nan"), float("inf"), -float("inf"), "4e9", np.float32(2.5),
+             np.bool_(True), 4e9 + 0.5, [4]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**53), st.sampled_from(WHOLE))
+def test_any_integral_budget_is_taken_as_its_int(n, as_type):
+    """``budget=4e9``: DeepSpeed configs write floats; any integral number is its int, everywhere a
+    budget is given."""
+    value = as_type(n)
+    expected = int(value)
+    ts = zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3))
+    cpu = next(t for t in zf.offload_cpu(ts, budget=value).transforms if t.family == "offload")
+    nvme = next(t for t in zf.offload_nvme(ts, "/tmp/x", host_budget=value).transforms if t.family == "offload")
+    assert type(cpu.budget) is int and cpu.budget == expected
+    assert type(nvme.host_budget) is int and nvme.host_budget == expected
+    assert offload_plan.plan_for_budget(UNITS, budget=value, rates=FAST, state_bytes=12, copy_bytes=4) == \
+        offload_plan.plan_for_budget(UNITS, budget=expected, rates=FAST, state_bytes=12, copy_bytes=4)
+    assert offload_plan.plan_for_host_budget(UNITS, budget=value, state_bytes=12).host_budget == expected
+    if n:  # the pool's sizes: at least one
+        sizes = next(t for t in zf.offload_nvme(ts, "/tmp/x", buffer_count=value, buffer_size=value,
+                                                sub_group_size=value).transforms if t.family == "offload")
+        assert (sizes.buffer_count, sizes.buffer_size) == (expected, expected)
+
+
+def test_a_float_budget_plans_as_its_int(tmp_path):
+    """The issue's ``budget=4e9`` and ``host_budget=4e9``, through init and ``plan_offload``."""
+    model = Stack(8)
+    for kind, key in (("cpu", "budget"), ("nvme", "host_budget")):
+        step = _split_step(kind, path=tmp_path, rates=FAST, **{key: 4e9}) if kind == "cpu" else \
+            _split_step(kind, path=tmp_path, **{key: 4e9})
+        with step.init(Stack(8)) as state:
+            assert _kept(kind, state) == {u.name for u in state.params.spec.model.units}  # all fit in 4 GB
+        plan = zf.plan_offload(_split_step(kind, path=tmp_path), model, rates=FAST, **{key: np.float64(4e9)})
+        assert getattr(plan, key) == 4_000_000_000 and type(getattr(plan, key)) is int
+
+
+@pytest.mark.parametrize("value", NOT_WHOLE, ids=repr)
+def test_a_budget_that_is_no_whole_number_of_bytes_is_refused_naming_it(value, tmp_path):
+    ts = zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3))
+    word = r"(a number of bytes >= 0|a positive number of (elements|buffers)), a whole one .* got "
+    calls = [("budget", lambda: zf.offload_cpu(ts, budget=value)),
+             ("host_budget", lambda: zf.offload_nvme(ts, tmp_path, host_budget=value)),
+             ("budget", lambda: zf.plan_offload(_split_step("cpu"), Stack(3), budget=value)),
+             ("host_budget", lambda: zf.plan_offload(_split_step("nvme", path=tmp_path), Stack(3), host_budget=value)),
+             ("budget", lambda: offload_plan.plan_for_budget(UNITS, budget=value, rates=FAST, state_bytes=12,
+                                                             copy_bytes=4)),
+             ("budget", lambda: offload_plan.plan_for_host_budget(UNITS, budget=value, state_bytes=12))]
+    calls += [(key, lambda key=key: zf.offload_nvme(ts, tmp_path, **{key: value}))
+              for key in ("buffer_count", "buffer_size", "sub_group_size")]
+    for name, call in calls:
+        with pytest.raises(ValueError, match=rf"{name} must be {word}{re.escape(repr(value))}"):
+            call()
+    with pytest.raises(ValueError, match=r"buffer_size must be a positive number of elements"):
+        zf.offload_nvme(ts, tmp_path, buffer_size=0)
+
+
+# ------------------------------------------------ optimizer state kept in host memory, counted at init
+
+
+def _needed(step, model) -> int:
+    """The bytes ``step.init`` says it needs, from its error on a machine with no memory to give."""
+    with pytest.raises(MemoryError) as e:
+        step.init(model)
+    return int(re.search(r"needs at least (\d+) bytes", str(e.value)).group(1))
+
+
+@pytest.mark.parametrize("precision", [False, True])
+@pytest.mark.parametrize("params", [True, False])
+def test_optimizer_state_kept_in_host_memory_is_counted_at_init(tmp_path, monkeypatch, precision, params):
+    """``offload_nvme(host_budget=)`` far beyond the machine's memory: init counts the optimizer
+    state (and master) the split keeps in RAM with the pool and staging, and refuses, before any
+    file is made, what the available memory cannot hold, saying how much is needed and available."""
+    plans = importlib.import_module("zfunc.offload_plan")
+
+    def nvme(**split):
+        return _split_step("nvme", "blocks", tmp_path, precision, params=params, **split)
+
+    huge = 1000 * (plans.available_memory() or 2**40)  # the issue's: 1000x this machine's memory
+    model = Stack(40, 3)
+    kept = 8 + 4 * precision  # bytes a parameter: Adam's moments (and the fp32 master)
+    host = kept * sum(_unit_sizes(model, "blocks").values())  # every unit's state fits the budget
+    monkeypatch.setattr(plans, "available_memory", lambda: 0)
+    base = _needed(nvme(), Stack(40, 3))  # the pool, the staging sets, the largest unit
+    assert _needed(nvme(host_budget=huge), Stack(40, 3)) == base + host
+    monkeypatch.setattr(plans, "available_memory", lambda: base + host - 1)
+    with pytest.raises(MemoryError, match=rf"offload_nvme needs at least {base + host} bytes of host memory on this "
+                                          rf"rank \(.*optimizer state kept in host memory {host}\), 1 more than the "
+                                          rf"{base + host - 1} bytes available: keep less optimizer state in host "
+                                          rf"memory \(a smaller host_budget="):
+        nvme(host_budget=huge).init(Stack(40, 3))
+    assert not list(tmp_path.iterdir())  # refused before any file or folder was made
+    plan = zf.plan_offload(nvme(), model, host_budget=huge)
+    with pytest.raises(MemoryError, match=rf"optimizer state kept in host memory {host}\)"):
+        nvme(plan=plan).init(Stack(40, 3))  # a plan keeps as much
+    with nvme(host_budget=host // 2).init(Stack(40, 3)):  # half of it fits, beside the rest
+        pass
+    with nvme().init(Stack(40, 3)):
+        pass
+    monkeypatch.setattr(plans, "available_memory", lambda: base + host)
+    with nvme(host_budget=huge).init(Stack(40, 3)):
+        pass
+    assert not list(tmp_path.iterdir())
+
+
+def test_offload_nvme_without_optimizer_offload_counts_all_of_it(tmp_path, monkeypatch):
+    plans = importlib.import_module("zfunc.offload_plan")
+    monkeypatch.setattr(plans, "available_memory", lambda: 1000)
+    state = 8 * sum(_unit_sizes(Stack(40, 3), "blocks").values())
+    with pytest.raises(MemoryError, match=rf"optimizer state kept in host memory {state}\).*: put the optimizer "
+                                          r"state on disk \(optimizer=True\)"):
+        _split_step("nvme", path=tmp_path, optimizer=False).init(Stack(40, 3))
+
+
+@pytest.mark.parametrize("precision", [False, True])
+def test_offload_cpu_counts_the_optimizer_state_it_keeps_on_the_host(monkeypatch, precision):
+    plans = importlib.import_module("zfunc.offload_plan")
+    sizes = _unit_sizes(Stack(40, 3), "blocks")
+    host = (8 + 4 * precision) * sum(sizes.values())
+    monkeypatch.setattr(plans, "available_memory", lambda: host - 1)
+    with pytest.raises(MemoryError, match=rf"offload_cpu needs at least {host} bytes of host memory on this rank "
+                                          rf"\(optimizer state kept in host memory {host}\), 1 more than the {host - 1} "
+                                          r"bytes available: keep more units' update on the device"):
+        _split_step("cpu", precision=precision).init(Stack(40, 3))
+    _split_step("cpu", precision=precision, ratio=0.0).init(Stack(40, 3))  # all of it on the device: none needed
+    first = next(iter(sizes))
+    plan = zf.OffloadPlan((first,), tuple(u for u in sizes if u != first))  # by hand: the rest on the host
+    rest = host - (8 + 4 * precision) * sizes[first]
+    monkeypatch.setattr(plans, "available_memory", lambda: rest)
+    _split_step("cpu", precision=precision, plan=plan).init(Stack(40, 3))
+    monkeypatch.setattr(plans, "available_memory", lambda: rest - 1)
+    with pytest.raises(MemoryError, match=rf"needs at least {rest} bytes"):
+        _split_step("cpu", precision=precision, plan=plan).init(Stack(40, 3))

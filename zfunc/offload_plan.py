@@ -17,12 +17,15 @@ as many as fit a budget of host bytes, so the disk moves only the rest's state e
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import dist
+from . import dist, layout
+from .placement import CPU
 from .rates import INF, Rates
 
 
@@ -41,6 +44,10 @@ class OffloadPlan:
     disk_units: tuple[str, ...] = ()  # offload_nvme: units whose optimizer state is in swap files
     host_budget: int | None = None  # offload_nvme: bytes of host memory the state kept there may use
     host_bytes: int = 0  # the bytes it takes
+    # (name, parameters on each rank) of every unit, in forward order, and optimizer-state bytes a
+    # parameter, as the planner saw them: what ``check`` compares with the model it is given to
+    unit_sizes: tuple[tuple[str, int], ...] = ()
+    state_bytes: int = 0
 
     def __str__(self) -> str:
         if self.disk_units or self.host_budget is not None:
@@ -60,7 +67,8 @@ class OffloadPlan:
         return json.dumps({"device_units": list(self.device_units), "host_units": list(self.host_units),
                            "disk_units": list(self.disk_units), "budget": self.budget,
                            "device_bytes": self.device_bytes, "host_budget": self.host_budget,
-                           "host_bytes": self.host_bytes, "predicted": self.predicted,
+                           "host_bytes": self.host_bytes, "unit_sizes": [list(u) for u in self.unit_sizes],
+                           "state_bytes": self.state_bytes, "predicted": self.predicted,
                            "rates": None if self.rates is None else self.rates.to_dict()}, indent=1)
 
     @classmethod
@@ -68,7 +76,8 @@ class OffloadPlan:
         d = json.loads(text)
         return cls(tuple(d["device_units"]), tuple(d["host_units"]), d["budget"], d["device_bytes"],
                    d.get("predicted") or {}, None if d.get("rates") is None else Rates.from_dict(d["rates"]),
-                   tuple(d.get("disk_units", ())), d.get("host_budget"), d.get("host_bytes", 0))
+                   tuple(d.get("disk_units", ())), d.get("host_budget"), d.get("host_bytes", 0),
+                   tuple((str(n), int(k)) for n, k in d.get("unit_sizes", ())), d.get("state_bytes", 0))
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json())
@@ -77,14 +86,41 @@ class OffloadPlan:
     def load(cls, path) -> "OffloadPlan":
         return cls.from_json(Path(path).read_text())
 
-    def check(self, names: Sequence[str]) -> None:
-        """Raise naming what differs where this plan was made for other units than ``names``."""
-        mine, theirs = set(self.device_units) | set(self.host_units) | set(self.disk_units), set(names)
+    def check(self, units: Sequence[tuple[str, int]], state_bytes: int) -> None:
+        """Raise, naming what differs, where this plan was made for another model or step than the
+        one it is given to: ``units``, (name, parameters on this rank) in forward order, and
+        ``state_bytes``, the optimizer state a parameter takes there. A plan whose names match but
+        whose sizes do not would keep other amounts on the device (or in host memory) than it says."""
+        nvme = bool(self.disk_units) or self.host_budget is not None  # offload_nvme's: host_units' state in RAM
+        again = ("; make the plan again for this model, world size and step: zf.plan_offload(step, model, "
+                 f"{'host_budget' if nvme else 'budget'}=...)")
+        mine, theirs = set(self.device_units) | set(self.host_units) | set(self.disk_units), {n for n, _ in units}
         if mine != theirs:
             raise ValueError(
                 f"this OffloadPlan was made for other units: the model has {sorted(theirs - mine)[:5]} that it does "
-                f"not name and it names {sorted(mine - theirs)[:5]} that the model lacks; make the plan again for "
-                "this model (zf.plan_offload, or offload_cpu(ratio=...))")
+                f"not name and it names {sorted(mine - theirs)[:5]} that the model lacks" + again)
+        planned = dict(self.unit_sizes)  # empty for a plan written by hand, names only
+        wrong = [(name, planned.get(name), n) for name, n in units if planned and planned.get(name) != n]
+        if wrong:
+            name, was, now = wrong[0]
+            more = f" (and {len(wrong) - 1} more units differ)" if len(wrong) > 1 else ""
+            raise ValueError(f"this OffloadPlan was made for another model: unit {name!r} has {now} parameters on "
+                             f"this rank, the plan was made for {was}{more}" + again)
+        if self.state_bytes and self.state_bytes != state_bytes:  # 0: not recorded (a plan written by hand)
+            raise ValueError(f"this OffloadPlan was made for an optimizer state of {self.state_bytes} bytes a "
+                             f"parameter, this step's takes {state_bytes} (another optimizer or precision)" + again)
+        n = dict(units)
+        sides = [("device memory", self.device_units, self.device_bytes, self.budget, "budget")]
+        if nvme:
+            sides.append(("host memory", self.host_units, self.host_bytes, self.host_budget, "host_budget"))
+        for where, names, said, budget, key in sides:
+            used = sum(n[name] for name in names) * state_bytes
+            if budget is not None and used > budget:
+                raise ValueError(f"this OffloadPlan keeps {used} bytes of optimizer state in {where} in this model, "
+                                 f"more than its {key} of {budget}" + again)
+            if (said or budget is not None) and used != said:
+                raise ValueError(f"this OffloadPlan says its units keep {said} bytes of optimizer state in {where}; "
+                                 f"in this model they keep {used}" + again)
 
 
 def as_plan(plan, who: str) -> "OffloadPlan | None":
@@ -96,9 +132,52 @@ def as_plan(plan, who: str) -> "OffloadPlan | None":
     return plan
 
 
-def check_budget(value, who: str, name: str = "budget") -> None:
-    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        raise ValueError(f"{who}: {name} must be a number of bytes >= 0, got {value!r}")
+def whole(value, who: str, name: str, *, least: int = 0, unit: str = "bytes") -> int | None:
+    """``value`` (``None`` stays ``None``) as an ``int`` of at least ``least``: any integral number,
+    a float with no fractional part too (DeepSpeed configs write ``4e9``), numpy's ints and floats;
+    a bool, a fraction, NaN, an infinity or a smaller number raise, naming the argument."""
+    if value is None:
+        return None
+    out = None
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, numbers.Integral):
+        out = int(value)
+    elif isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        out = int(value)
+    if out is None or out < least:
+        what = f"a positive number of {unit}" if least == 1 else f"a number of {unit} >= {least}"
+        raise ValueError(f"{who}: {name} must be {what}, a whole one (an int, or a float with no fractional part "
+                         f"such as 4e9), got {value!r}")
+    return out
+
+
+def check_host_memory(who: str, needs: dict[str, int], hint: str) -> None:
+    """Raise at init, saying how much is needed by part and how much is available, where this
+    machine's available memory cannot hold what ``who`` keeps in host memory on this rank (parts of
+    zero bytes are left out); ``hint``: what to do about it."""
+    needs = {k: v for k, v in needs.items() if v}
+    free, total = available_memory(), sum(needs.values())
+    if free is not None and total > free:
+        parts = ", ".join(f"{k} {v}" for k, v in needs.items())
+        raise MemoryError(f"{who} needs at least {total} bytes of host memory on this rank ({parts}), "
+                          f"{total - free} more than the {free} bytes available: {hint}")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (``MemAvailable``), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def host_state_bytes(spec, places, w: int, per_elem: int) -> int:
+    """Bytes of optimizer state (master weights included: ``per_elem`` counts them) that the units
+    whose placement keeps it in host memory (``opt_home`` CPU) hold on this rank of ``w``."""
+    return per_elem * sum(layout.home_numel(u.trainable.padded, w, p.opt_sharded or p.params_sharded)
+                          for u, p in zip(spec.units, places) if p.opt_home == CPU)
 
 
 def rank_units(spec, step) -> list[tuple[str, int]]:
@@ -142,13 +221,13 @@ def plan_for_budget(units: Sequence[tuple[str, int]], *, budget: int, rates: Rat
     ``budget`` bytes, taken in forward order, first fit (``units``: (name, parameters on this
     rank), in that order); each one kept moves its update from the host's rate to the device's and
     saves its copies, so the step's update time falls with every byte of the budget used."""
-    if budget < 0:
-        raise ValueError(f"plan_for_budget: budget must be >= 0 bytes, got {budget}")
+    budget = whole(budget, "plan_for_budget", "budget")
     # a host as fast as the device: keep the device's memory free
     device, used = _first_fit(units, budget, state_bytes) if rates.device_update > rates.host_update else ([], 0)
     kept = set(device)
     return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), budget, used,
-                       predict(units, kept, rates, copy_bytes), rates)
+                       predict(units, kept, rates, copy_bytes), rates, unit_sizes=_sizes(units),
+                       state_bytes=state_bytes)
 
 
 def plan_for_ratio(units: Sequence[tuple[str, int]], ratio: float, state_bytes: int = 0) -> OffloadPlan:
@@ -166,7 +245,8 @@ def plan_for_ratio(units: Sequence[tuple[str, int]], ratio: float, state_bytes: 
             break
     kept = set(device)
     return OffloadPlan(tuple(device), tuple(name for name, _ in units if name not in kept), None,
-                       sum(n for name, n in units if name in kept) * state_bytes)
+                       sum(n for name, n in units if name in kept) * state_bytes, unit_sizes=_sizes(units),
+                       state_bytes=state_bytes)
 
 
 def plan_for_host_budget(units: Sequence[tuple[str, int]], *, budget: int, state_bytes: int,
@@ -175,14 +255,17 @@ def plan_for_host_budget(units: Sequence[tuple[str, int]], *, budget: int, state
     a parameter) as fit in ``budget`` bytes, in forward order, first fit; the rest in swap files.
     Every byte kept is a byte the disk neither reads nor writes in a step's update; ``disk``: the
     disk's measured (read, write) bytes a second, to predict the seconds that traffic takes."""
-    if budget < 0:
-        raise ValueError(f"plan_for_host_budget: budget must be >= 0 bytes, got {budget}")
+    budget = whole(budget, "plan_for_host_budget", "budget")
     host, used = _first_fit(units, budget, state_bytes)
     kept = set(host)
     on_disk = sum(n for name, n in units if name not in kept) * state_bytes
     predicted = {} if disk is None else {"disk (optimizer state read and written)": on_disk / disk[0] + on_disk / disk[1]}
     return OffloadPlan((), tuple(host), predicted=predicted, disk_units=tuple(n for n, _ in units if n not in kept),
-                       host_budget=budget, host_bytes=used)
+                       host_budget=budget, host_bytes=used, unit_sizes=_sizes(units), state_bytes=state_bytes)
+
+
+def _sizes(units: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(name), int(n)) for name, n in units)
 
 
 def roofline(compute_s: float, update_s: float, host_params: int, first_params: int, copy_bytes: int,

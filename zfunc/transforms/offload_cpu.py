@@ -39,8 +39,8 @@ import torch
 
 from .. import dist
 from ..grad import grad_spec
-from ..offload_plan import (OffloadPlan, as_plan, check_budget, once_per_spec, plan_for_budget, plan_for_ratio,
-                            rank_units, roofline)
+from ..offload_plan import (OffloadPlan, as_plan, check_host_memory, host_state_bytes, once_per_spec,
+                            plan_for_budget, plan_for_ratio, rank_units, roofline, whole)
 from ..rates import Rates
 from ..rates import measure as measure_rates
 from ..optim.optimizers import Optimizer, apply_update, state_bytes_per_element
@@ -250,6 +250,9 @@ class _HostHome:
 
 
 class Offload(Transform):
+    def close(self) -> None:
+        pass  # after a failed init: its pinned copies go with the last reference to them
+
     family = "offload"
 
     def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
@@ -319,7 +322,13 @@ class Offload(Transform):
                                     micro_batches=self._micro)}
 
     def init_home(self, step, spec, places, group):
-        """With ``params=True``: host-homed shards go to (pinned) host memory as they are made."""
+        """Before anything is made: refuse optimizer state (master weights included) that this
+        machine's memory cannot hold. With ``params=True``: host-homed shards go to (pinned) host
+        memory as they are made."""
+        per_elem = state_bytes_per_element(step.update_part(below=self))
+        check_host_memory("offload_cpu", {"optimizer state kept in host memory": host_state_bytes(
+            spec, places, dist.world_size(group), per_elem)}, "keep more units' update on the device (budget=, "
+            "ratio= or plan=), offload the state to disk (offload_nvme), or shard it over more ranks")
         if not self.params:
             return None
         if not any(t.family == "zero" and t.stage == 3 for t in step.transforms):
@@ -393,7 +402,7 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     if ratio is not None and not 0.0 <= ratio <= 1.0:
         raise ValueError(f"offload_cpu: ratio must be in [0, 1] (the share of parameters updated on the host), got "
                          f"{ratio}")
-    check_budget(budget, "offload_cpu")
+    budget = whole(budget, "offload_cpu", "budget")
     plan = as_plan(plan, "offload_cpu")
     return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap,
                              accumulate_on))
@@ -406,9 +415,9 @@ def make_device_plan(spec, step, offload: Offload, p: Placement, plan, ratio, bu
     a gradient and a parameter in the dtype the placement ``p`` stores (the units inside it)."""
     units = rank_units(spec, step)
     if plan is not None:
-        plan.check([name for name, _ in units])
-        return plan
+        plan.check(units, state_bytes)
     state_bytes = state_bytes_per_element(step.update_part(below=offload))
+        return plan
     if ratio is not None:
         return plan_for_ratio(units, ratio, state_bytes)
     item = (p.param_dtype or spec.units[0].trainable.dtype).itemsize

@@ -67,8 +67,8 @@ from .. import dist, layout, swap
 from ..buffers import trim as trim_heap
 from ..coordinator import prefetch_settings
 from ..grad import grad_spec
-from ..offload_plan import (OffloadPlan, as_plan, check_budget, disk_roofline, once_per_spec, plan_for_host_budget,
-                            rank_units)
+from ..offload_plan import (OffloadPlan, as_plan, check_host_memory, disk_roofline, host_state_bytes, once_per_spec,
+                            plan_for_host_budget, rank_units, whole)
 from ..rates import cached_disk
 from ..ops import cpu_adam
 from ..optim.optimizers import GradInfo, Optimizer, apply_update, is_count, state_bytes_per_element
@@ -581,7 +581,7 @@ class OffloadNvme(Transform):
                 need += n_frozen * frozen_item
                 on_disk += [(n, n * item, unit.name), (n_frozen, n_frozen * frozen_item, unit.name)]
             need += n_grad * (4 if accumulates else item)  # accumulate sums in fp32
-            if self.optimizer:
+            if place.opt_home == NVME:  # units a plan keeps in host memory have no state files
                 need += n_opt * per_elem
             shard_start = layout.shard_start(r, layout.shard_numel(padded, w))
             sizes.append((n, n_grad, item, shard_start if place.params_sharded or place.opt_sharded else 0,
@@ -589,15 +589,25 @@ class OffloadNvme(Transform):
         # a pool buffer: the largest file, at most buffer_size elements (a larger unit is read past the pool)
         buffer_bytes = max((min(nbytes, self.buffer_size * (nbytes // n)) for n, nbytes, _ in on_disk if n), default=0)
         device = swap.device_for(dist.compute_device(group))
-        _check_host_memory(self._host_bytes(spec, places, w, buffer_bytes, per_elem, accumulates, device.copies))
+        needs = self._host_bytes(spec, places, w, buffer_bytes, per_elem, accumulates, device.copies)
+        kept = needs["optimizer state kept in host memory"] = host_state_bytes(spec, places, w, per_elem)
+        less = "" if not kept else ("keep less optimizer state in host memory (a smaller host_budget=, or a plan "
+                                    "made with one), " if self.optimizer else "put the optimizer state on disk "
+                                    "(optimizer=True), ")
+        check_host_memory("offload_nvme", needs, less + "lower buffer_count, buffer_size or sub_group_size, or make "
+                                                        "smaller units")
         store = swap.SwapStore(self.path, aio_config=self.aio, buffer_count=self.buffer_count,
                                buffer_bytes=buffer_bytes, faults=self.faults, device=device)
-        store.reserve(need)
-        store.offsets = [s[3] for s in sizes]
-        for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
-            if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
-                dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
-                store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
+        try:
+            store.reserve(need)
+            store.offsets = [s[3] for s in sizes]
+            for i, (unit, place, (_, n_grad, _, _, grad_start)) in enumerate(zip(spec.units, places, sizes)):
+                if n_grad:  # accumulate's sums are fp32; else the gradient's own dtype
+                    dtype = torch.float32 if accumulates else (place.param_dtype or unit.trainable.dtype)
+                    store.grads[i] = store.create(i, unit.name, "grad", n_grad, dtype, grad_start)
+        except BaseException:
+            store.close()  # a failed init leaves nothing behind (Step.init closes the home once it is made)
+            raise
         return _DiskHome(store, r, self.piece)
 
     def _host_bytes(self, spec, places, w: int, buffer_bytes: int, per_elem: int, accumulates: bool,
@@ -619,26 +629,6 @@ class OffloadNvme(Transform):
         return out
 
 
-def _check_host_memory(needs: dict[str, int]) -> None:
-    """Raise, saying how much is needed, where this machine's available memory cannot hold what
-    offload_nvme keeps in RAM (``OffloadNvme._host_bytes``)."""
-    free, total = _available_memory(), sum(needs.values())
-    if free is not None and total > free:
-        parts = ", ".join(f"{k} {v}" for k, v in needs.items())
-        raise MemoryError(f"offload_nvme needs at least {total} bytes of host memory on this rank ({parts}), "
-                          f"{total - free} more than the {free} bytes available: lower buffer_count, buffer_size "
-                          "or sub_group_size, or make smaller units")
-
-
-def _available_memory() -> int | None:
-    """Bytes of memory this machine can still give (``MemAvailable``), or None where it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 class _DiskHome:
     """``Step.init``'s leaves of units whose parameters live on disk, written as they are made
     (``Transform.init_home``)."""
@@ -654,6 +644,10 @@ class _DiskHome:
             return self.store.stage(i, unit.name, leaf, place.param_dtype or leaf.dtype, start)
         stored = leaf.to(place.frozen_dtype or leaf.dtype)  # frozen: written once, in their stored dtype
         return self.store.put(i, unit.name, "frozen", stored, start)
+
+    def close(self) -> None:
+        """After a failed ``Step.init``: remove the swap files and the folders init made."""
+        self.store.close()
 
     def finish(self) -> None:
         self.store.finish_staged(self.piece)  # what the optimizer's init did not write (an eval step's init)
@@ -694,7 +688,7 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
     if (host_budget is not None or plan is not None) and not optimizer:
         raise ValueError("offload_nvme(optimizer=False) keeps every unit's optimizer state in host memory already: "
                          "drop host_budget=/plan=, or optimizer=False")
-    check_budget(host_budget, "offload_nvme", "host_budget")
+    host_budget = whole(host_budget, "offload_nvme", "host_budget")
     plan = as_plan(plan, "offload_nvme")
     if plan is not None and plan.device_units:
         raise ValueError(f"offload_nvme keeps no unit's update on the device, but this plan keeps "
@@ -702,12 +696,12 @@ def offload_nvme(step: Step, path, *, params: bool = True, optimizer: bool = Tru
                          "host_budget=...), or use offload_cpu(plan=...)")
     if path is None or not str(path):
         raise ValueError("offload_nvme needs path=, a folder on a fast local disk for the swap files")
-    for key, value in (("buffer_count", buffer_count), ("buffer_size", buffer_size),
-                       ("sub_group_size", sub_group_size)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"offload_nvme: {key} must be a positive number, got {value!r}")
-    return step.then(OffloadNvme(path, bool(params), bool(optimizer), int(buffer_count), int(buffer_size),
-                                 int(sub_group_size), aio, prefetch_settings(
+    buffer_count, buffer_size, sub_group_size = (
+        whole(value, "offload_nvme", key, least=1, unit=unit) for key, value, unit in (
+            ("buffer_count", buffer_count, "buffers"), ("buffer_size", buffer_size, "elements"),
+            ("sub_group_size", sub_group_size, "elements")))
+    return step.then(OffloadNvme(path, bool(params), bool(optimizer), buffer_count, buffer_size,
+                                 sub_group_size, aio, prefetch_settings(
         prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
         max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout), faults, plan, host_budget))
 
@@ -717,9 +711,9 @@ def make_host_plan(spec, step, offload: OffloadNvme, plan, host_budget) -> Offlo
     count this rank's part, at the state bytes of the optimizer inside ``offload``; the disk's rates
     (if ``zf.rates.measure_disk`` measured them) predict its traffic."""
     units = rank_units(spec, step)
+    state_bytes = state_bytes_per_element(step.update_part(below=offload))
     if plan is not None:
-        plan.check([name for name, _ in units])
+        plan.check(units, state_bytes)
         return plan
-    return plan_for_host_budget(units, budget=host_budget,
-                                state_bytes=state_bytes_per_element(step.update_part(below=offload)),
+    return plan_for_host_budget(units, budget=host_budget, state_bytes=state_bytes,
                                 disk=cached_disk(offload.path) if os.path.exists(offload.path) else None)

@@ -3,7 +3,7 @@ print, save and pass back (``zfunc.offload_plan``)."""
 from __future__ import annotations
 
 from .. import dist
-from ..offload_plan import OffloadPlan
+from ..offload_plan import OffloadPlan, whole
 from ..placement import Placement
 from ..rates import Rates
 from ..step import Step
@@ -19,7 +19,9 @@ def plan_offload(step: Step, model, *, budget: int | None = None, host_budget: i
     default to this machine's, measured once and cached: ``zfunc.rates.measure``); under
     ``offload_nvme``, the one ``offload_nvme(..., host_budget=host_budget)`` makes (which units'
     optimizer state stays in host memory, the rest on disk). Print it, save it, pass it back with
-    ``plan=``."""
+    ``plan=``: it records each unit's size, so a plan given to another model (or world size, or
+    optimizer) is refused at init. Budgets are whole numbers of bytes (``4e9`` too)."""
+    budget, host_budget = whole(budget, "plan_offload", "budget"), whole(host_budget, "plan_offload", "host_budget")
     offload = next((t for t in step.transforms if t.family == "offload"), None)
     spec = build_spec(model, step.units, dist.world_size(step.group))
     if isinstance(offload, Offload):
