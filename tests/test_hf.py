@@ -185,7 +185,7 @@ def test_transformers_model_in_bf16_with_accumulation(kind):
 
 
 def test_llama_keeps_its_rotary_frequencies_in_fp32():
-    """keep= leaves named buffers in their own dtype: Llama's rotary inv_freq, which
+    """keep= leaves named buffers in their own dtype under buffer_dtype=bf16: Llama's rotary inv_freq, which
     Hugging Face reads in fp32 on purpose, stays fp32 and bit for bit the model's."""
     model = build("llama")
     want = {k: v.clone() for k, v in model.named_buffers() if k.endswith("inv_freq")}
@@ -195,7 +195,7 @@ def test_llama_keeps_its_rotary_frequencies_in_fp32():
         return zf.apply(model, params, input_ids=x, labels=x).loss
 
     step = zf.mixed_precision(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), torch.bfloat16,
-                              keep=lambda name: name.endswith("inv_freq"))
+                              buffer_dtype=torch.bfloat16, keep=lambda name: name.endswith("inv_freq"))
     state = step.init(model)
     state, metrics = step(state, tokens(0, 2))
     assert torch.isfinite(metrics["loss"])

@@ -8,8 +8,12 @@
   are reduced in ``reduce_dtype`` (fp32 by default, like FSDP2's
   ``MixedPrecisionPolicy``; ``reduce_dtype=dtype`` halves the bytes, as
   DeepSpeed does) and kept in ``dtype``, so ZeRO's formulas hold with P = G = 2.
-  Frozen parameters and floating-point buffers are cast to ``dtype`` too,
-  except those ``keep`` names (e.g. rotary frequencies a model reads in fp32).
+  Frozen parameters are cast to ``dtype`` too, except those ``keep`` names.
+  Buffers keep their own dtype, as under FSDP2's ``MixedPrecisionPolicy`` and
+  autocast (Llama's rotary ``inv_freq`` stays fp32: positions keep their
+  precision); ``buffer_dtype=dtype`` casts the floating ones (except ``keep``),
+  for models whose forward mixes buffers into activations (BatchNorm, an added
+  fp32 buffer) and so needs them in the compute dtype.
 * the update: the optimizer state holds the fp32 master copy of this rank's
   part (``MixedPrecisionState``; with AdamW's moments K = 12 bytes per
   parameter). One fused pass unscales the gradients, applies the clip factor,
@@ -46,8 +50,9 @@ class MixedPrecision(Transform):
     family = "precision"
 
     def __init__(self, dtype: torch.dtype, reduce_dtype: torch.dtype, scaler: LossScaler | None,
-                 keep: Callable[[str], bool]):
+                 keep: Callable[[str], bool], buffer_dtype: torch.dtype | None = None):
         self.dtype, self.reduce_dtype, self.scaler, self.keep = dtype, reduce_dtype, scaler, keep
+        self.buffer_dtype = buffer_dtype
 
     @property
     def name(self) -> str:
@@ -55,6 +60,8 @@ class MixedPrecision(Transform):
 
     def describe(self, inner: str) -> str:
         extra = "" if self.reduce_dtype == torch.float32 else f", reduce_dtype={_short(self.reduce_dtype)}"
+        if self.buffer_dtype is not None:
+            extra += f", buffer_dtype={_short(self.buffer_dtype)}"
         if self.scaler is not None:
             extra += ", loss_scale=" + ("dynamic" if self.scaler.dynamic else f"{self.scaler.init_scale:g}")
         return f"mixed_precision({inner}, {_short(self.dtype)}{extra})"
@@ -86,8 +93,8 @@ class MixedPrecision(Transform):
         return self.scaler
 
     def cast_buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        if t.is_floating_point() and not self.keep(name):
-            return t.to(self.dtype)
+        if self.buffer_dtype is not None and t.is_floating_point() and not self.keep(name):
+            return t.to(self.buffer_dtype)
         return t
 
     def wrap_optimizer(self, optimizer):
@@ -129,25 +136,30 @@ def _keep_predicate(keep) -> Callable[[str], bool]:
 
 
 def mixed_precision(step: Step, dtype: torch.dtype = torch.bfloat16, *, loss_scale=None,
-                    reduce_dtype: torch.dtype = torch.float32,
+                    reduce_dtype: torch.dtype = torch.float32, buffer_dtype: torch.dtype | None = None,
                     keep: Iterable[str] | Callable[[str], bool] | None = None) -> Step:
     """Compute in ``dtype`` with fp32 master weights in the optimizer state (module docstring).
 
     ``loss_scale``: ``None`` (bf16), ``"dynamic"`` (DeepSpeed's rules and
     defaults) or a number (a fixed scale) for fp16, or a ``zf.LossScaler`` to
-    set the rules. Metrics gain ``loss_scale`` and ``skipped``. ``keep``: names
-    of buffers and frozen parameters (or a predicate on them) that stay in their
-    own dtype. Write it inside the ZeRO stage: ``zero3(mixed_precision(f))``.
+    set the rules. Metrics gain ``loss_scale`` and ``skipped``. ``buffer_dtype``:
+    None (the default, FSDP2's): buffers stay in their own dtype; a floating dtype:
+    floating buffers are cast to it. ``keep``: names of buffers and frozen
+    parameters (or a predicate on them) that stay in their own dtype. Write it
+    inside the ZeRO stage: ``zero3(mixed_precision(f))``.
     """
     expect_step(step, "mixed_precision")
     if dtype not in _LOW:
         raise ValueError(f"mixed_precision: dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     if not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise ValueError(f"mixed_precision: reduce_dtype must be a floating-point dtype, got {reduce_dtype}")
+    if buffer_dtype is not None and not (isinstance(buffer_dtype, torch.dtype) and buffer_dtype.is_floating_point):
+        raise ValueError(f"mixed_precision: buffer_dtype must be None (buffers keep their own dtype) or a "
+                         f"floating-point dtype, got {buffer_dtype}")
     scaler = as_scaler(loss_scale)
     if dtype == torch.float16 and scaler is None:
         raise ValueError(
             "mixed_precision with torch.float16 needs a loss scale, or small gradients underflow to zero: "
             "pass loss_scale='dynamic' (or a fixed number), or use torch.bfloat16"
         )
-    return step.then(MixedPrecision(dtype, reduce_dtype, scaler, _keep_predicate(keep)))
+    return step.then(MixedPrecision(dtype, reduce_dtype, scaler, _keep_predicate(keep), buffer_dtype))
