@@ -7,6 +7,7 @@ counters, whatever the stage, offload or world size), and plain PyTorch trained 
 interruption (fp32 targets of fp32 checkpoints continue training as if never stopped, 1e-5).
 """
 import os
+import re
 
 import pytest
 import torch
@@ -117,3 +118,81 @@ def test_a_checkpoint_of_another_optimizer_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"here only: \['opt_state.momentum'\]; in the checkpoint only: "
                        r"\['opt_state.mu', 'opt_state.nu'\]\): it was saved with another optimizer"):
         zf.checkpoint.load(sgd.init(model), str(tmp_path))
+
+
+def _mlp(width: int) -> dict:
+    return {"d_in": 5, "width": width, "depth": 3, "d_out": 3}
+
+
+def save_deep_mlp(directory: str, width: int, stage: int, units=None) -> str:
+    """deep_mlp of ``width`` after one step of zero``stage``(train_step(adamw)), saved in ``directory``."""
+    rank, world, model, shape_model, loss_fn = _setup("deep_mlp", _mlp(width), 0)
+    step = compose(stage, loss_fn, units=units)
+    state = step.init(model)
+    state, _ = step(state, local(batch("deep_mlp", shape_model, 0, GLOBAL_BATCH), rank, world))
+    zf.checkpoint.save(state, directory, "t")
+    return step.composition
+
+
+def load_deep_mlp(directory: str, width: int, stage: int, units=None, opt: str = "adamw"):
+    """Load into deep_mlp of ``width`` under zero``stage``: ``(count, None)``, or ``(None, the error)``."""
+    rank, world, model, shape_model, loss_fn = _setup("deep_mlp", _mlp(width), 0)
+    step = compose(stage, loss_fn, units=units, opt=zf.optim.sgd(1e-3, momentum=0.9) if opt == "sgd" else None)
+    try:
+        state, _ = zf.checkpoint.load(step.init(model), directory)
+    except ValueError as e:
+        return None, str(e)
+    return int(state.count), None
+
+
+MLP_UNITS = ["blocks.0", "blocks.1"]  # two units and the root, instead of one per layer
+
+
+@pytest.mark.parametrize("saved,loaded,says", [
+    # (world, width, stage, units), the same, what the error names besides what load would convert
+    ((1, 8, 3, None), (1, 8, 3, MLP_UNITS),
+     [r"grouped into other units \(another unit policy\): \d+ units in the checkpoint, \d+ here; unit \d+ is",
+      r"Also different, which load would reshard or convert: transforms zero3\(train_step\) in the checkpoint, "
+      r"zero3\(units\(train_step, \['blocks.0', 'blocks.1'\]\)\) here\. The same on both sides: world size 1\."]),
+    ((1, 8, 3, None), (1, 12, 3, None),
+     [r"saved from another model: parameter '\S+' has shape \(\d+(, \d+)?\) in the checkpoint but",
+      r"The same on both sides: world size 1 and transforms zero3\(train_step\)\."]),
+    ((2, 8, 2, None), (1, 12, 3, None),
+     [r"has shape \(\d+(, \d+)?\) in the checkpoint but \(\d+(, \d+)?\) in this model",
+      r"Also different, which load would reshard or convert: world size 2 in the checkpoint, 1 here; "
+      r"transforms zero2\(train_step\) in the checkpoint, zero3\(train_step\) here\."]),
+    ((2, 8, 3, MLP_UNITS), (1, 8, 3, None),
+     [r"another unit policy\): 3 units in the checkpoint, 4 here; unit 0 is '<root>' holding \['inp.weight', "
+      r"'inp.bias', 'blocks.2.0.weight'\] and \d+ more in the checkpoint, '<root>' holding \['inp.weight', "
+      r"'inp.bias', 'out.weight'\] and \d+ more here",
+      r"Also different, which load would reshard or convert: world size 2 in the checkpoint, 1 here; transforms "
+      r"zero3\(units\(train_step, \['blocks.0', 'blocks.1'\]\)\) in the checkpoint, zero3\(train_step\) here\."]),
+])
+def test_a_checkpoint_of_another_layout_says_what_differs(saved, loaded, says, tmp_path):
+    """Each mismatch is named once, with what else differs (which load would reshard) and what
+    load needs; the composition is never named twice as if it were the difference."""
+    directory = str(tmp_path)
+    world, width, stage, units = saved
+    workers(world).run(save_deep_mlp, directory, width, stage, units)
+    w, width, stage, units = loaded
+    for count, error in workers(w).run(load_deep_mlp, directory, width, stage, units):
+        assert count is None and error.startswith(f"checkpoint {os.path.join(directory, 't')!r} cannot load")
+        for pattern in says:
+            assert re.search(pattern, error), (pattern, error)
+        assert "load reshards what it can (any world size, ZeRO stage, offload and mixed precision)" in error
+
+
+def test_another_optimizer_with_the_same_transforms_names_them_once(tmp_path):
+    directory = str(tmp_path)
+    composition = workers(1).run(save_deep_mlp, directory, 8, 3)[0]
+    ((count, error),) = workers(1).run(load_deep_mlp, directory, 8, 3, None, "sgd")
+    assert count is None and error.count(composition) == 1, error
+    assert "here only: ['opt_state.momentum']; in the checkpoint only: ['opt_state.mu', 'opt_state.nu']" in error
+
+
+@pytest.mark.parametrize("saved,loaded", [((2, 2), (1, 3)), ((1, 3), (2, 1)), ((2, 3), (3, 3))])
+def test_another_world_size_and_stage_reshard_and_load(saved, loaded, tmp_path):
+    """What differs only in world size and ZeRO stage is no mismatch: load reshards it."""
+    directory = str(tmp_path)
+    workers(saved[0]).run(save_deep_mlp, directory, 8, saved[1])
+    assert workers(loaded[0]).run(load_deep_mlp, directory, 8, loaded[1]) == [(1, None)] * loaded[0]

@@ -129,25 +129,62 @@ def model_layout(spec: ModelSpec) -> dict:
 
 
 def _first_difference(saved: dict, ours: dict) -> str | None:
-    """The first parameter whose name or shape differs between two model layouts, in words."""
+    """What differs between two model layouts, in words: the first parameter whose name or shape
+    differs (another model), else the first unit grouped otherwise (another unit policy)."""
     def params(lay):
         return [(n, tuple(s)) for u in lay["units"] for kind in ("trainable", "frozen") for n, s in u[kind]["entries"]]
 
     a, b = params(saved), params(ours)
-    for i in range(max(len(a), len(b))):
-        x = a[i] if i < len(a) else None
-        y = b[i] if i < len(b) else None
-        if x != y:
-            if x is None:
-                return f"parameter {y[0]!r} {y[1]} is in this model but not in the checkpoint"
-            if y is None:
-                return f"parameter {x[0]!r} {x[1]} is in the checkpoint but not in this model"
-            if x[0] != y[0]:
-                return f"parameter {i}: {x[0]!r} {x[1]} in the checkpoint, {y[0]!r} {y[1]} in this model"
-            return f"parameter {x[0]!r} has shape {x[1]} in the checkpoint but {y[1]} in this model"
+    theirs, mine, other = dict(a), dict(b), "it was saved from another model: parameter"
+    for name, shape in a:
+        if name not in mine:
+            return f"{other} {name!r} {shape} is in the checkpoint but not in this model"
+        if mine[name] != shape:
+            return f"{other} {name!r} has shape {shape} in the checkpoint but {mine[name]} in this model"
+    for name, shape in b:
+        if name not in theirs:
+            return f"{other} {name!r} {shape} is in this model but not in the checkpoint"
+    if saved["units"] != ours["units"]:
+        return _unit_difference(saved["units"], ours["units"])
     if saved != ours:
-        return "the same parameters, grouped into other units (another unit policy)"
+        return "it was saved from the same parameters under other tied (aliased) names"
     return None
+
+
+def _unit_difference(saved: list, ours: list) -> str:
+    """The same parameters grouped into other units (another unit policy): the first unit that differs."""
+    def held(u):
+        return [n for kind in ("trainable", "frozen") for n, _ in u[kind]["entries"]]
+
+    head = (f"it holds the same parameters, grouped into other units (another unit policy): {len(saved)} units "
+            f"in the checkpoint, {len(ours)} here")
+    for i, (a, b) in enumerate(zip(saved, ours)):
+        if (a["name"], held(a)) != (b["name"], held(b)):
+            return (f"{head}; unit {i} is {a['name'] or '<root>'!r} holding {_few(held(a))} in the checkpoint, "
+                    f"{b['name'] or '<root>'!r} holding {_few(held(b))} here")
+    return head
+
+
+def _few(names: list, n: int = 3) -> str:
+    return str(names) if len(names) <= n else f"{names[:n]} and {len(names) - n} more"
+
+
+def _mismatch(saved, composition, world: int, what: str) -> ValueError:
+    """The error for a checkpoint that cannot load into this state: ``what`` cannot be bridged, next to
+    everything else that differs (world size, transforms), which ``load`` reshards or converts."""
+    theirs = saved.manifest.get("composition")
+    handled, same = [], []
+    (handled if saved.world != world else same).append(
+        f"world size {saved.world} in the checkpoint, {world} here" if saved.world != world else f"world size {world}")
+    (handled if theirs != composition else same).append(
+        f"transforms {theirs} in the checkpoint, {composition} here" if theirs != composition
+        else f"transforms {composition}")
+    return ValueError(
+        f"checkpoint {saved.folder!r} cannot load into this state: {what}. "
+        + (f"Also different, which load would reshard or convert: {'; '.join(handled)}. " if handled else "")
+        + (f"The same on both sides: {' and '.join(same)}. " if same else "")
+        + "load reshards what it can (any world size, ZeRO stage, offload and mixed precision), but needs the same "
+        "model (parameter names and shapes, grouped into the same units), the same optimizer and the same buffers")
 
 
 # ------------------------------------------------------------------------- saving
@@ -328,7 +365,7 @@ def _kind(node) -> str:
     return "tensor" if isinstance(node, torch.Tensor) or node == "tensor" else "value"
 
 
-def _sources(roles: list[str], nodes: list, saved: Saved, composition) -> list[str | None]:
+def _sources(roles: list[str], nodes: list, saved: Saved, composition, world: int) -> list[str | None]:
     """The saved part each of ours loads from (None: keep ours), or a clear error when the
     checkpoint holds another optimizer's state (or other buffers)."""
     layouts = saved.layouts
@@ -346,11 +383,9 @@ def _sources(roles: list[str], nodes: list, saved: Saved, composition) -> list[s
         out.append(src)
     theirs_only = [r for r in layouts if r not in roles and r != "master" and not r.startswith("loss_scale")]
     if ours_only or theirs_only:
-        raise ValueError(
-            f"checkpoint {saved.folder!r} holds the state of {saved.manifest.get('composition')}, but this step's "
-            f"state is {composition}, and their optimizer states or buffers differ (here only: {ours_only}; in the "
-            f"checkpoint only: {theirs_only}): it was saved with another optimizer (or other buffers). Any ZeRO "
-            "stage, offload, mixed precision and world size load it, with the same model and optimizer")
+        raise _mismatch(saved, composition, world,
+                        f"their optimizer states or buffers differ (here only: {ours_only}; in the checkpoint only: "
+                        f"{theirs_only}): it was saved with another optimizer (or other buffers)")
     return out
 
 
@@ -379,11 +414,13 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
     checkpoints (pipeline stages cut elsewhere): ``locate(unit) -> (Saved, its unit there)``;
     ``primary`` (a ``Saved``) gives everything that is not per unit (step counters, buffers)."""
     spec = state.params.spec.model
+    composition = None if state.plan is None else state.plan.composition
+    world = dist.world_size(state.params.spec.process_group)
     if sources is None:
         saved = Saved(resolve(directory, tag))
         difference = _first_difference(saved.manifest["model"], model_layout(spec))
         if difference is not None:
-            raise ValueError(f"checkpoint {saved.folder!r} was saved from another model: {difference}")
+            raise _mismatch(saved, composition, world, difference)
 
         def locate(i):
             return saved, i
@@ -400,7 +437,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
                                      "the checkpoint was saved from another model")
     manifest = saved.manifest
     roles, nodes, treedef = _parts(state)
-    from_roles = _sources(roles, nodes, saved, None if state.plan is None else state.plan.composition)
+    from_roles = _sources(roles, nodes, saved, composition, world)
     # every read, as (checkpoint, saved part, its unit, first element, elements), verified before any copy
     reads = []
     for src_role, node in zip(from_roles, nodes):
