@@ -185,7 +185,20 @@ class Step:
         With ``free_model`` (the default) the model's parameters are replaced
         by stand-ins that hold no storage: the state owns the weights now;
         run the model with ``zf.apply`` inside ``loss_fn``.
+
+        An init that raises leaves nothing behind: what a transform's ``init_home`` made (swap
+        files, the folders it made for them) is removed before the error goes on.
         """
+        homes: list = []
+        try:
+            return self._init(model, homes, free_model=free_model, init_fn=init_fn, device=device, weights=weights,
+                              strict=strict)
+        except BaseException:
+            for home in homes:
+                home.close()
+            raise
+
+    def _init(self, model: nn.Module, homes: list, *, free_model, init_fn, device, weights, strict) -> State:
         dist.check_launch()
         use_large_blocks()  # from here on, large CPU temporaries are reused, not left in malloc's heap
         group = self.group
@@ -196,6 +209,7 @@ class Step:
         dist.set_compute_device(group, device)  # units read from host memory or disk are computed there
         # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made
         home = next((h for t in self.transforms if (h := t.init_home(self, spec, places, group)) is not None), None)
+        homes += [] if home is None else [home]  # closed by init if anything below raises
 
         def part(i, segment):  # this rank's elements of a unit's flat buffer
             n = layout.home_numel(segment.padded, w, places[i].params_sharded)

@@ -24,7 +24,8 @@ A failed write during an update leaves some units updated and others not: the
 store then refuses every later use, saying so, rather than train on a mix. A
 failure before the update (reading parameters, writing gradients) changes
 nothing the state keeps, so the same state can step again once the cause is
-fixed. ``close()`` removes the folder; so does interpreter exit.
+fixed. ``close()`` removes the folder, and the folders above it that the store made where
+they are empty; so does interpreter exit, and so does a ``Step.init`` that raises.
 
 Where compute runs on an accelerator (``Device``), a unit read into a pool buffer
 is copied to the device without blocking, and a gradient comes back through two
@@ -340,17 +341,19 @@ class SwapStore:
         self.faults = faults if faults is not None else Faults()
         self.aio_config = dict(aio_config or {})
         aio.AsyncIO.from_config(self.aio_config).close()  # bad keys fail here, before any file
-        rank_dir = os.path.join(os.path.abspath(os.fspath(root)), f"rank{dist.rank()}")
-        try:
-            os.makedirs(rank_dir, exist_ok=True)
-            self.dir = tempfile.mkdtemp(prefix="state-", dir=rank_dir)
-        except OSError as e:
-            raise OSError(e.errno, f"offload_nvme: cannot make the swap folder under '{rank_dir}': "
-                                   f"{e.strerror}; pass a path= on a writable disk", rank_dir) from None
-        self.key = self.dir
         self.pool = BufferPool(buffer_count, buffer_bytes)
         self._idle: list[aio.AsyncIO] = []
         self.writer = self._handle()  # gradient writes during backward
+        rank_dir = os.path.join(os.path.abspath(os.fspath(root)), f"rank{dist.rank()}")
+        self.made = _missing_folders(rank_dir)  # close() removes these if they are empty then
+        try:
+            self.dir = _fresh_folder(rank_dir)
+        except OSError as e:
+            self.writer.close()
+            _remove_empty(self.made)
+            raise OSError(e.errno, f"offload_nvme: cannot make the swap folder under '{rank_dir}': "
+                                   f"{e.strerror}; pass a path= on a writable disk", rank_dir) from None
+        self.key = self.dir
         self.failed: str | None = None
         self.closed = False
         self.grad_stats: dict[int, tuple[float, bool]] = {}  # id(placeholder) -> (sum of squares, finite)
@@ -719,6 +722,40 @@ class SwapStore:
         self.staging = [torch.empty(0, dtype=torch.uint8)] * 2
         _open.pop(self.key, None)
         shutil.rmtree(self.dir, ignore_errors=True)
+        _remove_empty(self.made)  # the folders above it that this store made, unless another state uses them
+
+
+def _fresh_folder(rank_dir: str) -> str:
+    """A new ``state-XXXXXX`` folder under ``rank_dir``, made with its parents; tried again if
+    another rank's store removed an empty parent in between (``_remove_empty``)."""
+    for _ in range(2):
+        try:
+            os.makedirs(rank_dir, exist_ok=True)
+            return tempfile.mkdtemp(prefix="state-", dir=rank_dir)
+        except FileNotFoundError:
+            pass
+    os.makedirs(rank_dir, exist_ok=True)
+    return tempfile.mkdtemp(prefix="state-", dir=rank_dir)
+
+
+def _missing_folders(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    out = []
+    while path and not os.path.exists(path):
+        out.append(path)
+        parent = os.path.dirname(path)
+        path = "" if parent == path else parent
+    return out
+
+
+def _remove_empty(folders: list[str]) -> None:
+    """Remove ``folders`` (deepest first) where they are empty: one another state (or rank) put
+    files in stays."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
 
 
 @atexit.register

@@ -84,8 +84,9 @@ class Transform:
     def init_home(self, step, spec, places, group):
         """At ``Step.init``, before any unit is made: an object that takes each unit's leaves as
         they are made, ``keep(i, unit, place, leaf, frozen) -> leaf``, whose ``key`` the state's
-        ``ParamsSpec.swap`` records and whose ``finish()`` runs after the optimizer's init; or
-        None (the default): the leaves stay where they are made."""
+        ``ParamsSpec.swap`` records, whose ``finish()`` runs after the optimizer's init and whose
+        ``close()`` removes what it made if the init raises (it closes what it made itself if
+        it raises before returning); or None (the default): the leaves stay where they are made."""
         return None
 
     def cast_buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
