@@ -248,11 +248,11 @@ class _HostHome:
     def finish(self) -> None:
         pass
 
-
-class Offload(Transform):
     def close(self) -> None:
         pass  # after a failed init: its pinned copies go with the last reference to them
 
+
+class Offload(Transform):
     family = "offload"
 
     def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
@@ -414,9 +414,9 @@ def make_device_plan(spec, step, offload: Offload, p: Placement, plan, ratio, bu
     rank's part; their state bytes are those of the optimizer inside ``offload``, and their copies
     a gradient and a parameter in the dtype the placement ``p`` stores (the units inside it)."""
     units = rank_units(spec, step)
+    state_bytes = state_bytes_per_element(step.update_part(below=offload))
     if plan is not None:
         plan.check(units, state_bytes)
-    state_bytes = state_bytes_per_element(step.update_part(below=offload))
         return plan
     if ratio is not None:
         return plan_for_ratio(units, ratio, state_bytes)
