@@ -23,10 +23,10 @@ from .offload_plan import OffloadPlan
 from .rates import Rates
 from .transforms import (LossScaler, accumulate, jit, mixed_precision, offload_cpu, offload_nvme, plan_offload, zero1,
                          zero2, zero3)
-from .tree import Params, compile_units
+from .tree import Params, UpdateFailed, compile_units
 
 __all__ = [
-    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
+    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
     "gather_params", "grad", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

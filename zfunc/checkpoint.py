@@ -45,6 +45,7 @@ at a time (``zfunc.hf_export``, ``zfunc.hf_files``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -61,7 +62,7 @@ from .checkpoint_io import (DamagedCheckpointError, RankFile, Writer, damaged, d
 from .hf_export import export_saved, safetensors_from_saved, save_hf  # noqa: F401 (zf.checkpoint.save_hf)
 from .optim.optimizers import is_count
 from .pytree import NAMESPACE, tree_unflatten
-from .state import INNER, wrapper_role
+from .state import INNER, check_usable, wrapper_role
 from .tree import ModelSpec, Params
 
 FORMAT = 3  # 1: no checksums, parts named by their path in the composition's state; 2: a step count per unit
@@ -228,8 +229,10 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
     """
     r, w = dist.rank(group), dist.world_size(group)
     folders.check_tag(tag)
+    with contextlib.suppress(OSError):
+        _settle(state)  # a write that failed leaves the swap files refused, just below
+    check_usable(state, collective=True, group=group)  # a failed update: refused on every rank, writing nothing
     os.makedirs(directory, exist_ok=True)
-    _settle(state)
     roles, nodes, _ = _parts(state)
     _check_space(directory, _bytes_to_write(nodes, r), group)
     if r == 0:

@@ -4,11 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import torch
 
 from . import dist, swap
-from .pytree import register_node, tree_leaves
-from .tree import Params
+from .pytree import NAMESPACE, register_node, tree_leaves
+from .tree import Fault, Params
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,82 @@ def _flatten(s: State):
 
 register_node(State, _flatten, lambda plan, children: State(*children[:5], plan=plan, loss_scale=(
     children[5] if len(children) > 5 else None)))
+
+
+def _nodes(state) -> list[Params]:
+    """Every ``Params`` node of ``state`` (parameters, frozen, the optimizer's), its values not read."""
+    return [n for n in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, Params), namespace=NAMESPACE)
+            if isinstance(n, Params)]
+
+
+def fault_of(state, *, wait: bool = False) -> Fault | None:
+    """The ``Fault`` of a failed update that ``state`` holds (zfunc.tree), or None. ``wait``: first
+    wait for the updates still writing it (without raising), so their failures count."""
+    nodes = _nodes(state)
+    if wait:
+        for node in nodes:
+            for unit in list(node._filling):
+                node._wait(unit, refused_later=True)
+    return next((n.fault for n in nodes if n.fault is not None and n.fault.failed), None)
+
+
+def mark_failed(state, fault: Fault) -> None:
+    """From now on every ``Params`` of ``state`` refuses its values with ``fault``'s error."""
+    for node in _nodes(state):
+        if node.fault is None or not node.fault.failed:
+            node.fault = fault
+
+
+def share_fault(given, returned, fault: Fault | None) -> None:
+    """The ``Fault`` of the update that made ``returned`` from ``given`` (``fault``: the update's
+    own, if its units still run; else a new one), held by both: if that update fails on any rank,
+    both refuse (``refused_on_every_rank``)."""
+    fault = fault or Fault()
+    mark_failed(returned, fault)
+    mark_failed(given, fault)
+
+
+def refused_on_every_rank(state, what: str) -> None:
+    """Raise on every rank of ``group`` when some rank's state is refused (``failed_here`` says
+    whether this one's is), from a collective every rank makes anyway; then each rank's state knows
+    (its ``Fault`` is ``agreed``), so its next use refuses at once, with no collective."""
+    fault = fault_of(state)
+    if fault is None:  # another rank's failed: this rank's state (and the one its last update was given) no
+        # longer matches it
+        fault = next((n.fault for n in _nodes(state) if n.fault is not None), None) or Fault()
+        fault.record(RuntimeError(f"another rank's state is refused ({what}); that rank's error names the cause"),
+                     "the optimizer update on another rank")
+        mark_failed(state, fault)
+    fault.agreed = True
+    raise fault.error()
+
+
+def check_usable(state, *, collective: bool = False, group=None) -> None:
+    """Raise if ``state`` is refused: an update that failed (``fault_of``, waiting for any still
+    running) or swap files left half-updated or closed (``swap.check_state``). ``collective``: every
+    rank of ``group`` (default: the state's) calls this before a collective, and all raise if any
+    rank's is."""
+    error = None
+    fault = fault_of(state, wait=True)
+    if fault is not None:
+        error = fault.error()
+    else:
+        try:
+            swap.check_state(state)
+        except RuntimeError as e:
+            error = e
+    group = state.params.spec.process_group if group is None else group
+    if collective and dist.world_size(group) > 1:
+        flag = torch.tensor([float(error is not None)], dtype=torch.float64, device=dist.device_of(group))
+        dist.all_reduce_sum(flag, group)
+        if flag.item():
+            if fault is None and error is not None:  # swap files: this rank's state refuses through its Params too
+                fault = Fault()
+                fault.record(error, "an update of this state's swap files")
+                mark_failed(state, fault)
+            refused_on_every_rank(state, "it refused a collective use")
+    if error is not None:
+        raise error
 
 
 def _nbytes(tree) -> int:
@@ -137,9 +214,9 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
     """Full fp32 parameters keyed like ``model.named_parameters()``, on every rank, on CPU.
 
     Under mixed precision these are the fp32 master weights (frozen parameters
-    are their stored values, widened)."""
-    swap.check_state(state)
+    are their stored values, widened). A state whose update failed raises on every rank."""
     trainable = master_params(state)
+    check_usable(state, collective=any(trainable.spec.sharded) or any(state.frozen.spec.sharded))
     out: dict[str, torch.Tensor] = {}
     for params in (trainable, state.frozen):
         spec = params.spec

@@ -40,10 +40,10 @@ from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .optim.optimizers import GradInfo, apply_update
 from .placement import Placement
-from .state import State
+from .state import State, fault_of, mark_failed, refused_on_every_rank, share_fault
 from .transform import Transform, Units
 from .traced import Jit
-from .tree import Params, ParamsSpec, build_spec
+from .tree import Fault, Params, ParamsSpec, build_spec
 from .unit_init import unit_buffers
 from .weights import Weights
 
@@ -258,6 +258,9 @@ class Step:
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
         for t in self.transforms:
             t.check_state(state)
+        fault = fault_of(state)
+        if fault is not None and (fault.agreed or dist.world_size(self.group) == 1):
+            raise fault.error()  # else every rank runs to the agreement, which refuses it on all of them
         if getattr(state, "_donated", False):
             raise ValueError(
                 "this state was donated to a step, which updated its parameters and optimizer state in "
@@ -284,7 +287,7 @@ class Step:
         scale = None if scaler is None else float(state.loss_scale.scale)
         with self.continuing() as coordinator:
             out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=started.buffers, scale=scale)
-            agreed = self._agree(out, coordinator.order_hash())
+            agreed = self._agree(out, coordinator.order_hash(), state)
         return self._finish(state, out, agreed, started)
 
     # ------------------------------------------------------- a step in parts
@@ -324,7 +327,7 @@ class Step:
         self._check(state)
         if agreement is None:
             with self.continuing() as coordinator:
-                agreement = self._agree(out, coordinator.order_hash())
+                agreement = self._agree(out, coordinator.order_hash(), state)
         return self._finish(state, out, agreement, started)
 
     def _finish(self, state: State, out: GradOut, agreed: "Agreement", started: "Started | None"
@@ -360,15 +363,28 @@ class Step:
             return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
         del loss
         info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm, live=sure_live(agreed.live, grads.spec))
-        params, opt_state = apply_update(self.update_part(), grads, state.opt_state, state.params, info=info)
+        try:
+            params, opt_state = apply_update(self.update_part(), grads, state.opt_state, state.params, info=info)
+        except BaseException as e:  # the state given is partly updated in place: refused from now on
+            fault = fault_of(state) or Fault()
+            fault.record(e, f"step {int(state.count)}'s optimizer update")
+            mark_failed(state, fault)
+            if fault.cause is e:
+                e.add_note(f"zfunc: {fault.error()}")
+            raise
         object.__setattr__(state, "_donated", True)
         if started is not None:  # e.g. offload_nvme: this step's disk traffic
             for t, mark in zip(self.transforms, started.marks):
                 metrics.update(t.step_metrics(state, mark))
-        return State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
+        new = State(params, opt_state, state.frozen, buffers, count, state.plan, loss_scale)
+        share_fault(state, new, getattr(params, "fault", None))  # a failure yet to come refuses both
+        return new, metrics
 
-    def _agree(self, out: GradOut, order: int = 0) -> "Agreement":
+    def _agree(self, out: GradOut, order: int = 0, state: State | None = None) -> "Agreement":
         """One all-reduce for what every rank must agree on after backward.
+
+        First, whether some rank's ``state`` is refused (an update that failed: ``fault_of``); if so,
+        the step raises on every rank, and every rank's state refuses from then on.
 
         Which units some rank used (a unit no rank used gets no update, as
         ``torch.optim`` skips a parameter without ``.grad``) and which of their
@@ -399,10 +415,14 @@ class Step:
                 sq[0] += sq_g
             elif r == 0:
                 sq[1] += sq_g
-        vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *flags, *sq],
+        failed = state is not None and fault_of(state) is not None
+        vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *flags, *sq, float(failed)],
                            dtype=torch.float64, device=dist.device_of(group))
         dist.all_reduce_sum(vec, group)
         vec = vec.cpu()
+        if vec[-1].item():
+            refused_on_every_rank(state, "its step's agreement")
+        vec = vec[:-1]
         k = len(leaves)
         same_order = _same_order(vec[1 + 2 * k].item(), vec[2 + 2 * k].item(), w)
         if not same_order:  # the caller names where the orders differ
@@ -541,9 +561,11 @@ class EvalStep(Step):
                 losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
                 auxes.append(out[1] if self.has_aux else None)
             h = float(coordinator.order_hash())
-            vec = torch.tensor([torch.stack(losses).mean().item(), h, h * h], dtype=torch.float64,
-                               device=dist.device_of(self.group))
+            vec = torch.tensor([torch.stack(losses).mean().item(), h, h * h, float(fault_of(state) is not None)],
+                               dtype=torch.float64, device=dist.device_of(self.group))
             dist.all_reduce_sum(vec, self.group)
+            if vec[3].item():
+                refused_on_every_rank(state, "its eval step's agreement")
         w = dist.world_size(self.group)
         if not _same_order(vec[1].item(), vec[2].item(), w):
             coordinator.diverged(self.group)

@@ -16,6 +16,7 @@ or this rank's shard; the leaves are plain tensors, so optimizers just
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
@@ -282,6 +283,51 @@ class ParamsSpec:
         return dist.group_of(self.group)
 
 
+class UpdateFailed(RuntimeError):
+    """Raised by every use of a state whose optimizer update failed partway (``Fault``)."""
+
+
+class Fault:
+    """The first error of one optimizer update, shared by every ``Params`` it wrote and by those of
+    the state it was given. Set once and never cleared: a half-updated state, and the state it was
+    updated from, refuse every later use (``check``), however often they are tried. ``agreed``:
+    every rank of the group knows (the step's agreement said so), so each refuses at once."""
+
+    __slots__ = ("cause", "where", "agreed", "_lock")
+
+    def __init__(self):
+        self.cause: BaseException | None = None
+        self.where = ""
+        self.agreed = False
+        self._lock = threading.Lock()
+
+    @property
+    def failed(self) -> bool:
+        return self.cause is not None
+
+    def record(self, cause: BaseException, where: str) -> None:
+        """Keep ``cause`` (raised by ``where``) if it is the first."""
+        with self._lock:
+            if self.cause is None:
+                self.where, self.cause = where, cause
+
+    def error(self) -> UpdateFailed:
+        cause = self.cause
+        error = UpdateFailed(
+            f"{self.where} failed ({type(cause).__name__}: {str(cause).strip()}), so this state's parameters and "
+            "optimizer state are partly updated or no longer match the other ranks', as are those of the state "
+            "that step was given: it refuses every use (a step, a checkpoint, zf.gather_params, "
+            "zf.memory_report), so it refuses to train on. "
+            "Fix the cause, then build the state again with step.init and load your last checkpoint "
+            "(zf.checkpoint.load)")
+        error.__cause__ = cause
+        return error
+
+    def check(self) -> None:
+        if self.cause is not None:
+            raise self.error()
+
+
 class Params:
     """One tensor per unit: a full flat buffer or this rank's shard of it.
 
@@ -295,23 +341,31 @@ class Params:
     waits for every such gather, while the next step's forward waits for each
     unit only when it first uses it (``leaf_when_ready``), so the gathers
     overlap that forward as DDP's all-reduce overlaps backward.
+
+    ``fault``: the ``Fault`` of the update that wrote these leaves (or was given them), if any:
+    once it holds an error, every read of the values raises it (``leaves``), every time.
     """
 
-    __slots__ = ("spec", "_leaves", "_filling", "_starts")
+    __slots__ = ("spec", "_leaves", "_filling", "_starts", "fault")
 
-    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor | None], filling=None, starts=None):
+    def __init__(self, spec: ParamsSpec, leaves: Iterable[torch.Tensor | None], filling=None, starts=None,
+                 fault: Fault | None = None):
         self.spec = spec
         self._leaves = tuple(leaves)
         self._filling: dict[int, dist.Pending] = dict(filling or {})  # unit -> all-gather in flight
         # unit -> where its leaf starts within the unit's home leaf, for a leaf that is a piece of it
         # (offload_nvme updates a large unit a piece at a time)
         self._starts: dict[int, int] = dict(starts or {})
+        self.fault = fault
 
     @property
     def leaves(self) -> tuple[torch.Tensor | None, ...]:
-        """The tensors, complete (waits for all-gathers still filling them)."""
-        while self._filling:
-            self._filling.popitem()[1].wait()
+        """The tensors, complete (waits for all-gathers and updates still filling them); raises, every
+        time, if the update that wrote them failed (``Fault``)."""
+        if self.fault is not None:
+            self.fault.check()
+        for unit in list(self._filling):
+            self._wait(unit)
         return self._leaves
 
     @property
@@ -322,19 +376,31 @@ class Params:
 
     def leaf_when_ready(self, unit: int):
         """``(leaf, wait)``: unit ``unit``'s tensor and a function that returns
-        once it is complete; use the tensor's values only after calling it."""
-        return self._leaves[unit], lambda: self._wait(unit)
+        once it is complete; use the tensor's values only after calling it.
 
-    def _wait(self, unit: int) -> None:
-        pending = self._filling.pop(unit, None)
-        if pending is not None:
+        For a step's forward: where the update that writes the unit failed, ``wait`` returns all the
+        same (the values are what the update left), so that every rank reaches the step's agreement,
+        which refuses the state on all of them (``Step._agree``)."""
+        return self._leaves[unit], lambda: self._wait(unit, refused_later=True)
+
+    def _wait(self, unit: int, refused_later: bool = False) -> None:
+        pending = self._filling.get(unit)
+        if pending is None:
+            return
+        try:
             pending.wait()
+        except UpdateFailed:  # kept: the next reader raises it again
+            if not refused_later:
+                raise
+            return
+        self._filling.pop(unit, None)
 
-    def waiting_for(self, filling: dict) -> "Params":
+    def waiting_for(self, filling: dict, fault: Fault | None = None) -> "Params":
         """These leaves, with each unit in ``filling`` (unit -> an object whose ``wait()`` returns
         once its values are complete: offload_cpu's update running behind the next forward)
-        waited for as an all-gather still filling it is; the leaves' own waits carry over."""
-        return Params(self.spec, self._leaves, {**self._filling, **filling}, self._starts)
+        waited for as an all-gather still filling it is; the leaves' own waits carry over.
+        ``fault``: the update's, which its waits raise."""
+        return Params(self.spec, self._leaves, {**self._filling, **filling}, self._starts, fault or self.fault)
 
     def parameter_ranges(self, unit: int) -> list[tuple[int, int]]:
         """Where each parameter of unit ``unit`` lies in its leaf, ``(start, stop)`` in the leaf's
@@ -410,7 +476,7 @@ class Params:
             zip(self.leaves, local._leaves, self.spec.sharded, local.spec.sharded)
         ):
             if lheld and not held_shard:
-                local._wait(i)  # its slice is complete before it is copied and gathered
+                local._wait(i)  # its slice is complete before it is copied and gathered (raises if it failed)
                 mine = layout.shard(t, r, w)
                 if lt.data_ptr() != mine.data_ptr():  # the optimizer returned new tensors
                     mine.copy_(lt)
@@ -421,7 +487,7 @@ class Params:
                 leaves.append(lt)
                 if i in local._filling:  # still being written (offload_cpu's update behind the forward)
                     filling[i] = local._filling[i]
-        return Params(self.spec, leaves, filling)
+        return Params(self.spec, leaves, filling, fault=local.fault)
 
 
 register_node(Params, lambda p: (p.leaves, p.spec), lambda spec, leaves: Params(spec, leaves))

@@ -13,6 +13,10 @@ their all-gathers): the next forward waits for a unit only when it first uses it
 the next update) waits for every unit first. The arithmetic is the synchronous update's, leaf for
 leaf, so the result is bit for bit the same.
 
+An update that raises in any unit is final: the first error goes into the update's ``Fault``
+(zfunc.tree), which every ``Params`` the update wrote holds, so every later read of the state raises
+it, not only the first; the units after it are not run (nothing can use them).
+
 On CUDA an upload runs on a side stream that first waits for everything the update's caller had
 queued (the previous uses of the device buffer), and the forward's stream waits for the upload's
 event, not the host. The CPU Adam releases the GIL, so the main thread keeps queuing compute
@@ -20,11 +24,14 @@ while the worker updates.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
+
+from ..tree import Fault, UpdateFailed
 
 
 class Uploads:
@@ -65,18 +72,21 @@ class Uploads:
 
 class UnitDone:
     """One unit's host update (and upload) in flight: ``wait()`` returns once the reader may use
-    its values, raising what the update raised. Waiting twice is waiting once."""
+    its values; if the update failed (in this unit or one before it) it raises the update's first
+    error (``UpdateFailed``), every time. Waiting twice is waiting once."""
 
-    __slots__ = ("future", "uploads", "clock")
+    __slots__ = ("future", "uploads", "clock", "fault")
 
-    def __init__(self, future: Future, uploads: Uploads, clock: "UnitUpdates"):
-        self.future, self.uploads, self.clock = future, uploads, clock
+    def __init__(self, future: Future, uploads: Uploads, clock: "UnitUpdates", fault: Fault):
+        self.future, self.uploads, self.clock, self.fault = future, uploads, clock, fault
 
     def wait(self) -> None:
         if not self.future.done():
             began = time.perf_counter()
-            self.future.result()
+            concurrent.futures.wait([self.future])
             self.clock.waited_s += time.perf_counter() - began
+        if self.future.exception() is not None or self.fault.failed:
+            raise self.fault.error()
         self.uploads.wait(self.future.result())
 
 
@@ -89,34 +99,44 @@ class UnitUpdates:
         self.waited_s = 0.0  # time readers spent waiting for units, since the last ``take_waited``
 
     def drain(self) -> None:
-        """Wait for the previous update's every unit (raising what it raised): the next update
-        reads and writes the same state."""
+        """Wait for the previous update's every unit: the next update reads and writes the same
+        state. It raises nothing: if that update failed, its state refuses to be read (its ``Fault``),
+        and the next update may be of another state (one loaded from a checkpoint)."""
         last, self._last = self._last, []
-        for f in last:
-            f.result()
+        concurrent.futures.wait(last)
 
     def start(self, order: list[int], works: dict[int, list[Callable[[], None]]],
-              upload: Callable[[int], object], uploads: Uploads) -> dict[int, UnitDone]:
+              upload: Callable[[int], object], uploads: Uploads, names: list[str] | None = None
+              ) -> dict[int, UnitDone]:
         """Run ``works[i]`` then ``upload(i)`` (its mark, or None) for each unit ``i`` in
-        ``order`` on the worker; one ``UnitDone`` a unit."""
+        ``order`` on the worker; one ``UnitDone`` a unit, all sharing the update's ``Fault``
+        (``names``: the units' names, for its error)."""
         self.drain()
+        fault = Fault()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="zfunc-host-update")
         threads = torch.get_num_threads()  # the worker's kernels use as many threads as the caller's
         uploads.begin()
 
         def run(i):
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            for work in works[i]:
-                work()
-            return upload(i)
+            if fault.failed:  # a unit before it failed: the state is refused whole
+                raise UpdateFailed("not run: an earlier unit's update failed")
+            try:
+                if torch.get_num_threads() != threads:
+                    torch.set_num_threads(threads)
+                for work in works[i]:
+                    work()
+                return upload(i)
+            except BaseException as e:
+                name = repr(names[i] or "<root>") if names is not None else str(i)
+                fault.record(e, f"the optimizer update of unit {name} (on offload_cpu's worker thread)")
+                raise
 
         done = {}
         for i in order:
             future = self._pool.submit(run, i)
             self._last.append(future)
-            done[i] = UnitDone(future, uploads, self)
+            done[i] = UnitDone(future, uploads, self, fault)
         return done
 
     def take_waited(self) -> float:

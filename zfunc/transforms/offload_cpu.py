@@ -140,7 +140,7 @@ def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None,
             ups = _uploads(pin)
             copy_back = {i: (dst, src) for i, dst, src in back}
             done = overlap.start(sorted(works), works, lambda i: _copy_back(ups, *copy_back[i]) if i in copy_back
-                                 else None, ups)
+                                 else None, ups, [u.name for u in params.spec.model.units])
             work_out, host, inner = (_pending(t, done) for t in (work_out, host, inner))
         else:
             for _, dst, src in back:
@@ -167,10 +167,12 @@ def _copy_back(uploads: Uploads, dst: torch.Tensor, src: torch.Tensor):
 
 def _pending(tree, done: dict):
     """``tree`` with every ``Params`` in it (the parameters, the optimizer's moments, the master)
-    waiting for ``done``'s units before its values are read (``Params``' filling)."""
+    waiting for ``done``'s units before its values are read (``Params``' filling), and refusing
+    every read once the update failed (their shared ``Fault``)."""
     if tree is None:
         return None
-    return optree.tree_map(lambda t: t.waiting_for(done) if isinstance(t, Params) else t,
+    fault = next((d.fault for d in done.values()), None)
+    return optree.tree_map(lambda t: t.waiting_for(done, fault) if isinstance(t, Params) else t,
                            tree, is_leaf=lambda t: isinstance(t, Params), none_is_leaf=True, namespace=NAMESPACE)
 
 
