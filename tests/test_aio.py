@@ -5,6 +5,7 @@ import ctypes
 import errno
 import os
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -370,3 +371,60 @@ def test_from_deepspeed_config():
         aio.AsyncIO.from_config({"queue_dept": 8})
     with pytest.raises(ValueError, match="GPUDirect"):
         aio.AsyncIO.from_config({"use_gds": True})
+
+
+_QUIET_CHECKPOINT = """
+import os, sys, warnings
+warnings.simplefilter("always")  # every warning reaches stderr, however often
+from zfunc.ops import builder
+
+probe = builder._probe
+def absent(cxx, code, args):  # liburing.h and libaio.h faked absent, whatever this machine has
+    return "fatal error: faked absent" if "liburing.h" in code or "libaio.h" in code else probe(cxx, code, args)
+builder._probe = absent
+
+import torch
+import zfunc as zf
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+def loss_fn(params, x):
+    return zf.apply(model, params, x).sum()
+step = zf.zero3(zf.train_step(loss_fn, zf.optim.sgd(0.1)))
+state = step.init(model, free_model=False)
+state, _ = step(state, torch.ones(2, 4))
+zf.checkpoint.save(state, sys.argv[1], "t")
+zf.checkpoint.load(step.init(model, free_model=False), sys.argv[1])
+print("--- nvme ---", file=sys.stderr, flush=True)
+for i in range(2):
+    nvme = zf.zero3(zf.offload_nvme(zf.train_step(loss_fn, zf.optim.sgd(0.1)), os.path.join(sys.argv[1], f"swap{i}")))
+    with nvme.init(model, free_model=False) as s:
+        s, _ = nvme(s, torch.ones(2, 4))
+print("done", file=sys.stderr)
+"""
+
+
+def test_a_checkpoint_says_nothing_about_back_ends_and_the_nvme_swap_says_once(tmp_path):
+    """A save and load of an in-memory zero3 state builds no aio back end and prints nothing about
+    any (a user who never asked for NVMe has nothing to wonder about); the NVMe swap, which asks,
+    says once which back end it took and why the faster ones are missing. The native back ends
+    are faked absent (their headers) and the threads one disabled, so nothing is compiled."""
+    env = dict(os.environ, ZFUNC_OPS_DISABLE="aio_threads", ZFUNC_CPU_ALLOCATOR="0")
+    r = subprocess.run([sys.executable, "-c", _QUIET_CHECKPOINT, str(tmp_path)], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stderr.rstrip().endswith("done"), r.stderr[-3000:]
+    checkpoint, nvme = r.stderr.split("--- nvme ---")
+    for word in ("liburing", "libaio", "aio", "back end", "native op", "Warning"):
+        assert word not in checkpoint, checkpoint
+    assert nvme.count("zfunc aio: file I/O for the NVMe swap uses the 'python' back end") == 1, nvme
+    assert "io_uring is not available: header 'liburing.h' not found" in nvme
+    assert "libaio is not available: header 'libaio.h' not found" in nvme
+    assert "threads" not in nvme  # disabled on purpose: not a reason to report
+
+
+def test_loaded_backend_builds_nothing(monkeypatch):
+    """Before any auto choice, loaded_backend is "python" and builds nothing; after, the one chosen."""
+    monkeypatch.setattr(aio, "_status", {})
+    monkeypatch.setattr(aio.builder, "load", lambda *a, **k: pytest.fail("loaded_backend built an op"))
+    assert aio.loaded_backend() == "python"
+    monkeypatch.setattr(aio, "_status", {"io_uring": (None, "header 'liburing.h' not found"),
+                                         "libaio": (object(), "built")})
+    assert aio.loaded_backend() == "libaio"

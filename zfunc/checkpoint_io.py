@@ -115,7 +115,8 @@ class Writer:
     def __init__(self, path: str):
         self.path = path
         open(path, "wb").close()
-        self.io = aio.AsyncIO(block_size=1 << 22, queue_depth=8, check_space=False)  # checked once, up front
+        # checked once, up front; a native back end only if one is built already (no build for a save)
+        self.io = aio.AsyncIO(block_size=1 << 22, queue_depth=8, check_space=False, backend=aio.loaded_backend())
         self.index: list[dict] = []
         self.offset = 0
 

@@ -17,6 +17,13 @@ Back ends, fastest first: ``io_uring`` (liburing), ``libaio``, ``threads``
 (a pool doing pread/pwrite), each a C++ extension from ``csrc/aio`` compiled
 when its headers and library exist, and ``python`` (a thread pool in plain
 Python) which always works. ``available_backends()`` lists what runs here.
+Nothing is built at import: a back end is built when something asks for it
+(``backend="auto"``: the NVMe swap, ``measure_disk``), and the first such
+choice in a process says once, with an ``OpBuildWarning``, which back end it
+took and why the faster ones are not available (a missing header, say); a
+native back end that is not available is never announced on its own.
+``loaded_backend()`` is the best one already built in this process, for work
+that runs well without one and should not start a build (checkpoints).
 
 Page-aligned parts of a transfer use O_DIRECT (bypassing the page cache);
 unaligned heads and tails, and buffers whose address does not line up with the
@@ -68,12 +75,16 @@ _status: dict[str, tuple[object, str]] = {}  # backend -> (module or None, reaso
 _graveyard: list[torch.Tensor] = []  # buffers a broken kernel queue may still touch
 
 
+_reported = False  # whether the first auto choice was reported
+
+
 def _native(backend: str):
-    """The compiled module for a native back end, or None (reason in backend_status)."""
+    """The compiled module for a native back end, or None (reason in backend_status). Quiet: the
+    choice among them is reported once (``_auto``), not each that is missing."""
     with _lock:
         if backend not in _status:
             op, engine, kw = _NATIVE[backend]
-            module = builder.load(op, ["aio/aio_handle.cpp", engine], **kw)
+            module = builder.load(op, ["aio/aio_handle.cpp", engine], quiet=True, **kw)
             reason = "built"
             if module is None:
                 row = next((r for r in builder.report() if r["name"] == op), None)
@@ -84,6 +95,32 @@ def _native(backend: str):
                     module, reason = None, f"built, but does not run here: {why}"
             _status[backend] = (module, reason)
         return _status[backend][0]
+
+
+def _auto() -> str:
+    """The first back end that works (later ones are not even built); the first time in this
+    process, an ``OpBuildWarning`` names it and why each faster one is not available, unless
+    it is the fastest or the faster ones were disabled on purpose (ZFUNC_OPS_DISABLE)."""
+    global _reported
+    backend = next(b for b in BACKENDS if b == "python" or _native(b) is not None)
+    with _lock:
+        if _reported:
+            return backend
+        _reported = True
+        faster = {b: _status[b][1] for b in BACKENDS[:BACKENDS.index(backend)]}
+    why = {b: r for b, r in faster.items() if not r.startswith("disabled")}
+    if why:
+        warnings.warn(f"zfunc aio: file I/O for the NVMe swap uses the {backend!r} back end; "
+                      + "; ".join(f"{b} is not available: {r}" for b, r in why.items()),
+                      builder.OpBuildWarning, stacklevel=3)
+    return backend
+
+
+def loaded_backend() -> str:
+    """The fastest back end already built in this process (by the NVMe swap), else "python":
+    builds nothing and says nothing."""
+    with _lock:
+        return next(b for b in BACKENDS if b == "python" or (b in _status and _status[b][0] is not None))
 
 
 def available_backends() -> list[str]:
@@ -433,7 +470,7 @@ class AsyncIO:
             raise ValueError(f"block_size must be a multiple of {ALIGNMENT}, got {block_size} "
                              f"(nearest: {max(1, round(block_size / ALIGNMENT)) * ALIGNMENT})")
         if backend == "auto":  # the first that works; later ones are not even built
-            backend = next(b for b in BACKENDS if b == "python" or _native(b) is not None)
+            backend = _auto()
         elif backend not in BACKENDS:
             raise ValueError(f"unknown aio backend {backend!r}; choose one of "
                              f"{', '.join(('auto',) + BACKENDS)}")
