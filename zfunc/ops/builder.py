@@ -201,13 +201,15 @@ def _short(err: BaseException) -> str:
 
 def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
          extra_ldflags: Sequence[str] = (), required_headers: Sequence[str] = (),
-         required_libs: Sequence[str] = (), cuda: bool = False):
+         required_libs: Sequence[str] = (), cuda: bool = False, quiet: bool = False):
     """Build (or load the cached build of) op ``name``.
 
     ``sources`` are paths relative to ``csrc/``. Returns the compiled module, or
     ``None`` when it cannot be built here; the reason is recorded (see
-    ``report()``) and announced once with an ``OpBuildWarning``. The result is
-    cached per process: asking again returns the same module (or ``None``).
+    ``report()``) and announced once with an ``OpBuildWarning`` (``quiet``: not
+    announced, for an op that is one of several alternatives whose caller says
+    which it took). The result is cached per process: asking again returns the
+    same module (or ``None``).
     """
     with _lock:
         if name in _results:
@@ -250,7 +252,7 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
         else:
             row["reason"] = reason or "unknown"
             # Asked-for fallbacks (disabled, no GPU here) are recorded, not announced.
-            if not row["reason"].startswith(("disabled", _NO_CUDA)):
+            if not quiet and not row["reason"].startswith(("disabled", _NO_CUDA)):
                 warnings.warn(f"zfunc op {name!r} not built, using the PyTorch fallback: "
                               f"{row['reason']}", OpBuildWarning, stacklevel=2)
         _results[name] = row
