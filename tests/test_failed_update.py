@@ -220,3 +220,35 @@ def test_a_state_whose_update_went_through_is_untouched_by_all_this():
         zf.gather_params(state)
         zf.memory_report(state)
         assert os.path.isdir(zf.checkpoint.save(state, os.path.join(folder, "ckpt"), "t"))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_last_checkpoint_trains_on_as_if_nothing_had_failed(tmp_path, overlap):
+    """What the error says to do works: a state built again and loaded from the last checkpoint,
+    on the same step, trains bit for bit as a run in which the update never failed."""
+    import copy
+
+    step, model = make_step("cpu", overlap, None, str(tmp_path))
+    spare = copy.deepcopy(model)
+    clean = step.init(copy.deepcopy(model))
+    for i in range(3):
+        clean, _ = step(clean, batch(0, i))
+    expected = zf.gather_params(clean)
+
+    state = step.init(model)
+    state, _ = step(state, batch(0, 0))
+    zf.checkpoint.save(state, str(tmp_path / "ckpt"), "last")
+    undo = break_adam_after(2)
+    try:
+        try:
+            state, _ = step(state, batch(0, 1))
+        except InjectedFault:
+            assert not overlap
+        with pytest.raises(zf.UpdateFailed, match="after 2 tensors"):
+            step(state, batch(0, 1))
+    finally:
+        undo()
+    state, _ = zf.checkpoint.load(step.init(spare), str(tmp_path / "ckpt"))
+    for i in (1, 2):
+        state, _ = step(state, batch(0, i))
+    zf.testing.assert_trees_all_equal(zf.gather_params(state), expected)
