@@ -19,6 +19,7 @@ import copy
 import math
 import re
 import sys
+from collections import Counter
 
 import torch
 from torch import nn
@@ -44,13 +45,16 @@ def ignored(model: nn.Module, names, which: str) -> set[str]:
     return {n for n in names if any(re.search(p, n) for p in patterns)}
 
 
-def converted(model: nn.Module, shapes: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]
-              ) -> dict[str, list[Piece]] | None:
+def converted(model: nn.Module, shapes: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]],
+              files: dict[str, str] | None = None) -> dict[str, list[Piece]] | None:
     """Model key -> its pieces in the files, through transformers' conversion mapping for ``model``
     (renamings, the base model's prefix added or dropped, experts fused); None where transformers
     has no such mapping (transformers 4, or not a ``PreTrainedModel``).
 
-    ``shapes``: the file tensors' shapes by name; ``wanted``: the model keys' shapes."""
+    ``shapes``: the file tensors' shapes by name; ``wanted``: the model keys' shapes; ``files``: the
+    file each tensor is in (named in errors). Tensors fused into one (experts) must all be there, in
+    one shape: else the error names the one missing or misshaped, its file and the shape expected."""
+    files = files or {}
     root = hf_model(model)
     if root is None:
         return None
@@ -69,6 +73,7 @@ def converted(model: nn.Module, shapes: dict[str, tuple[int, ...]], wanted: dict
     first_row = 0
     direct: dict[str, list[Piece]] = {}
     fused: dict[str, object] = {}
+    members: dict[str, list[tuple[str, str]]] = {}  # target -> its (source pattern, file tensor)s
     for key in sorted(shapes, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, prefix, meta)
         if target not in meta and key in meta:
@@ -85,18 +90,96 @@ def converted(model: nn.Module, shapes: dict[str, tuple[int, ...]], wanted: dict
         first_row += n_rows
         conv = fused.setdefault(target, copy.deepcopy(by_pattern[pattern]))
         conv.add_tensor(target, key, pattern, ids)
+        members.setdefault(target, []).append((pattern, key))
     owner_of_row = sorted((start, key) for key, (start, _) in rows.items())
     out = dict(direct)
     for target, conv in fused.items():
-        for name, ids in conv.convert(target, model=root, config=root.config).items():
+        sources = members[target]
+        _check_sources(target, conv, sources, shapes, wanted[target], files)
+        try:
+            made = conv.convert(target, model=root, config=root.config)
+        except Exception as e:  # transformers' own error names no tensor: name them
+            raise ValueError(f"weights: transformers' conversion of {_listed([k for _, k in sources], shapes, files)} "
+                             f"into {target!r} (shape {wanted[target]} in the model) failed: {e}") from None
+        for name, ids in made.items():
             if name in meta:
-                out[name] = _pieces(name, ids, wanted[name], rows, owner_of_row)
+                out[name] = _pieces(name, ids, wanted[name], rows, owner_of_row, [k for _, k in sources], shapes, files)
     return out
 
 
-def _pieces(name: str, ids: torch.Tensor, shape: tuple[int, ...], rows: dict, owner_of_row: list) -> list[Piece]:
+def _check_sources(target: str, conv, sources: list[tuple[str, str]], shapes: dict, shape: tuple, files: dict) -> None:
+    """Each source pattern of ``target`` holds tensors of one shape, for the same experts, none missing
+    (every expert of the model's tensor where the conversion stacks them along its first dimension)."""
+    by_pattern: dict[str, list[str]] = {}
+    for pattern, key in sources:
+        by_pattern.setdefault(pattern, []).append(key)
+    for keys in by_pattern.values():
+        common = Counter(shapes[k] for k in keys).most_common(1)[0][0]
+        for k in keys:
+            if shapes[k] != common:
+                raise ValueError(
+                    f"weights: tensor {k!r} in {files.get(k, 'the files')!r} has shape {shapes[k]}, but "
+                    f"transformers' conversion stacks it with {len(keys) - 1} others of shape {common} into "
+                    f"{target!r} (shape {shape} in the model): expected shape {common}; the file is damaged or "
+                    "was saved from another config")
+    varying = _varying([k for _, k in sources])
+    stacked = any(type(op).__name__ == "MergeModulelist" and getattr(op, "dim", None) == 0 for op in conv.operations)
+    index = {k: tuple(_numbers(k)[i] for i in varying) for _, k in sources}
+    expected = set(index.values())
+    if stacked and shape and all(len(i) == 1 for i in expected):
+        expected |= {(e,) for e in range(shape[0])}
+    for keys in by_pattern.values():
+        have = {index[k] for k in keys}
+        lost = sorted(expected - have)
+        if lost:
+            like = keys[0]
+            name = _with_numbers(like, varying, lost[0])
+            more = f" (and {len(lost) - 1} more of its kind)" if len(lost) > 1 else ""
+            raise ValueError(
+                f"weights: tensor {name!r} (shape {shapes[like]}){more} is missing from the files ({files.get(like, 'the checkpoint')!r} "
+                f"holds {like!r}): transformers' conversion stacks {len(expected)} tensors of shape {shapes[like]} "
+                f"into {target!r} (shape {shape} in the model), and a fused tensor is read whole or not at all. "
+                "Restore it, or (strict=False) leave out every tensor that makes it, so that it is initialized "
+                "as without weights")
+
+
+def _numbers(key: str) -> list[int]:
+    return [int(part) for part in key.split(".") if part.isdigit()]
+
+
+def _varying(keys: list[str]) -> list[int]:
+    """Which of the keys' numbered name parts differ between them (an expert's number, not its layer's)."""
+    numbers = [_numbers(k) for k in keys]
+    n = min(map(len, numbers))
+    return [i for i in range(n) if len({ns[i] for ns in numbers}) > 1]
+
+
+def _with_numbers(key: str, varying: list[int], values: tuple[int, ...]) -> str:
+    """``key`` with its ``varying`` numbered parts set to ``values``."""
+    parts, at = key.split("."), 0
+    new = dict(zip(varying, values))
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            if at in new:
+                parts[i] = str(new[at])
+            at += 1
+    return ".".join(parts)
+
+
+def _listed(keys: list[str], shapes: dict, files: dict, shown: int = 4) -> str:
+    named = ", ".join(f"{k!r} {shapes[k]} in {files.get(k, '?')!r}" for k in keys[:shown])
+    return f"the files' {len(keys)} tensors {named}" + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
+def _pieces(name: str, ids: torch.Tensor, shape: tuple[int, ...], rows: dict, owner_of_row: list,
+            keys: list[str], shapes: dict, files: dict) -> list[Piece]:
     """Runs of consecutive source rows in the model tensor's flat order, as element ranges."""
     expected = (*shape[:-1], 1) if shape else (1,)
+    if tuple(ids.shape) != expected and ids.shape[-1:] == (1,):
+        raise ValueError(
+            f"weights: transformers' conversion of {_listed(keys, shapes, files)} makes {name!r} of shape "
+            f"{(*ids.shape[:-1], shape[-1] if shape else 1)}, but the model's is {tuple(shape)}: the files lack "
+            "some of its tensors or hold them for another config")
     if tuple(ids.shape) != expected:
         raise ValueError(
             f"transformers' conversion of the checkpoint into {name!r} (shape {tuple(shape)}) moves elements "

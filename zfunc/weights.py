@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import warnings
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +34,22 @@ from .tree import ModelSpec, Segment
 _SHOWN = 8  # keys named in an error, then a count
 
 
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict`` reports: the model's keys the files lack, the files' keys the model has not."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class WeightsMismatch(UserWarning):
+    """``strict=False`` read a checkpoint that lacks some of the model's tensors or holds others;
+    ``.incompatible`` says which (``IncompatibleKeys``)."""
+
+    def __init__(self, message: str, incompatible: IncompatibleKeys):
+        super().__init__(message)
+        self.incompatible = incompatible
+
+
 class Weights:
     """A checkpoint opened against a model: each of the model's tensors' pieces in the files."""
 
@@ -40,6 +59,12 @@ class Weights:
         aliases = _aliases(spec)
         self.buffer_names = set(wanted) - set(spec.parameter_names)
         sources, missing, unexpected = _match(tensors_of(self.path), model, wanted, aliases, self.buffer_names)
+        if not sources and wanted and (missing or unexpected):
+            raise ValueError(
+                f"weights {self.path!r} share no tensor with the model: "
+                f"{_named(unexpected, 'tensors the files hold')}; {_named(missing, 'tensors the model needs')}. "
+                "Names are the model's state_dict names: load the files into the model they were saved from "
+                "(a peft model: into its base model, before get_peft_model), or rename the files' keys")
         if strict and (missing or unexpected):
             raise ValueError(
                 f"weights {self.path!r} do not match the model: "
@@ -57,6 +82,14 @@ class Weights:
                 self.sources[first] = sources[found]
         self.sources.update({b: sources[b] for b in self.buffer_names if b in sources})
         self.reader = Reader()
+        # as load_state_dict(strict=False) returns it; step.init warns with it
+        self.incompatible = IncompatibleKeys(list(missing), list(unexpected))
+        if missing or unexpected:
+            warnings.warn(WeightsMismatch(
+                f"weights {self.path!r} (strict=False): {len(self.sources)} of the model's "
+                f"{len(aliases) + len(self.buffer_names)} tensors read; "
+                f"{_named(missing, 'missing (initialized as without weights)')}; "
+                f"{_named(unexpected, 'unexpected (not read)')}", self.incompatible), stacklevel=_caller())
 
     def holds(self, seg: Segment) -> bool:
         """Whether the files hold every parameter of ``seg``."""
@@ -83,6 +116,10 @@ class Weights:
             if pieces is None or lo >= hi:
                 continue
             self._copy(pieces, lo - e.offset, hi - e.offset, out[lo - start : hi - start])
+
+    def holds_tensor(self, name: str) -> bool:
+        """Whether the files hold the parameter (by its first name) or buffer ``name``."""
+        return name in self.sources
 
     def holds_buffer(self, name: str) -> bool:
         return name in self.sources and name in self.buffer_names
@@ -119,7 +156,8 @@ def _match(files: dict[str, TensorInfo], model: nn.Module, wanted: dict, aliases
     sources = {k: [(files[k], 0, files[k].numel)] for k in wanted if k in files}
     missing = _missing(aliases, buffer_names, sources)
     if missing or set(files) - set(wanted):  # perhaps another layout: transformers' mapping, if it has one
-        pieces = hf_keys.converted(model, {k: i.shape for k, i in files.items()}, wanted)
+        pieces = hf_keys.converted(model, {k: i.shape for k, i in files.items()}, wanted,
+                                   {k: i.file for k, i in files.items()})
         if pieces is not None:
             sources = {k: [(files[key], first, n) for key, first, n in p] for k, p in pieces.items()}
             missing = _missing(aliases, buffer_names, sources)
@@ -127,6 +165,14 @@ def _match(files: dict[str, TensorInfo], model: nn.Module, wanted: dict, aliases
     unexpected = sorted(set(files) - used - hf_keys.ignored(model, files, "unexpected"))
     missing = [k for k in missing if k not in hf_keys.ignored(model, missing, "missing")]
     return sources, missing, unexpected
+
+
+def _caller() -> int:
+    """The ``stacklevel`` of the first frame outside zfunc (the user's ``init`` call)."""
+    package, level, frame = os.path.dirname(__file__), 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
