@@ -227,3 +227,73 @@ def test_a_build_killed_midway_does_not_hang_the_next(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert "left by a build that did not finish" in second.stderr
     assert json.loads(second.stdout.strip().splitlines()[-1])["ok"]
+
+
+_BUILD_FROM = """
+import json, sys
+from pathlib import Path
+import torch
+from zfunc.ops import builder
+builder.CSRC = Path(sys.argv[1])  # this copy of the sources
+module = builder.load("bench_stream_copy", ["bench/stream_copy.cpp"])
+src = torch.arange(1000, dtype=torch.float32)
+dst = torch.empty_like(src)
+module.stream_copy(dst, src)
+print(json.dumps({"file": module.__file__, "ok": bool(torch.equal(dst, src))}))
+"""
+
+
+@pytest.mark.slow
+def test_copies_of_the_sources_share_one_build_and_a_change_builds_anew(tmp_path):
+    """Two copies of csrc/ (two clones, or a clone and an installed copy) used by processes in turn
+    share one build: no process after the first compiles or links anything (every object and shared
+    object keeps its time). A changed source builds anew, beside the first build, which stays."""
+    import shutil
+
+    copies = [tmp_path / "a", tmp_path / "b"]
+    for c in copies:
+        shutil.copytree(builder.CSRC, c)
+    ext = tmp_path / "ext"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext))
+    env.pop("ZFUNC_OPS_DISABLE", None)
+
+    def run(copy):
+        r = subprocess.run([sys.executable, "-c", _BUILD_FROM, str(copy)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["ok"]
+        return out["file"], "building native op" in r.stderr
+
+    def built():
+        return {p: p.stat().st_mtime_ns for p in ext.rglob("*") if p.suffix in (".so", ".o")}
+
+    first, compiled = run(copies[0])
+    assert compiled
+    after_first = built()
+    for copy in (copies[1], copies[0], copies[1]):
+        assert run(copy) == (first, False)
+        assert built() == after_first, "a copy of the same sources rebuilt"
+    source = copies[1] / "bench" / "stream_copy.cpp"
+    source.write_text(source.read_text() + "\n// changed\n")
+    changed, compiled = run(copies[1])
+    assert compiled and changed != first
+    assert run(copies[0]) == (first, False)
+    assert {p: t for p, t in built().items() if p in after_first} == after_first
+
+
+def test_the_build_key_is_the_sources_not_their_place(tmp_path, monkeypatch):
+    """The digest that names a build follows the sources' and headers' contents, not their folder."""
+    import shutil
+
+    for c in ("a", "b"):
+        shutil.copytree(builder.CSRC, tmp_path / c)
+    digests = []
+    for c in ("a", "b"):
+        monkeypatch.setattr(builder, "CSRC", tmp_path / c)
+        digests.append(builder._build_files(["adam/cpu_adam.cpp"])[2])
+    assert digests[0] == digests[1]
+    (tmp_path / "b" / "adam" / "cpu_simd.h").write_text("// a changed header\n")
+    assert builder._build_files(["adam/cpu_adam.cpp"])[2] != digests[0]
+    files, compiled, _ = builder._build_files(["adam/cpu_adam.cpp"])
+    assert compiled == ["adam/cpu_adam.cpp"] and "adam/cpu_simd.h" in files and "aio/aio.h" in files

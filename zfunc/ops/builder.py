@@ -4,6 +4,10 @@
 extensions directory, so later processes only load the shared object) and
 returns the module, or ``None`` with the reason recorded so the caller can fall
 back to plain PyTorch. ``report()`` lists every op asked for and what happened.
+A build is keyed by what is built (the sources' and headers' contents, flags,
+torch, Python and compiler), never by where the sources are: it compiles its own
+copy of them, so any number of checkouts share one build, and a changed source
+builds anew.
 
 Environment:
   ``ZFUNC_OPS_DISABLE``  ``1``/``all`` disables every op; a comma list of op
@@ -180,13 +184,52 @@ def _include_flags(flags: Sequence[str]) -> list[str]:
     return [f for f in flags if f.startswith(("-I", "-D"))]
 
 
-def _ext_name(name: str, cflags: Sequence[str], ldflags: Sequence[str], cuda: bool) -> str:
-    """Module name: op name plus a hash of everything that changes the binary
-    other than source text (torch's own versioning handles sources)."""
+def _ext_name(name: str, cflags: Sequence[str], ldflags: Sequence[str], cuda: bool, sources: str = "") -> str:
+    """Module name, and so its build folder: op name plus a hash of everything that changes the
+    binary (torch and Python versions, compiler, flags, ``sources``: the digest of what is compiled),
+    and of nothing else: two copies of the same sources share one build."""
     import torch
 
-    key = "\0".join([torch.__version__, sys.version, _cxx(), str(cuda), *cflags, "|", *ldflags])
+    key = "\0".join([torch.__version__, sys.version, _cxx(), str(cuda), *cflags, "|", *ldflags, "|", sources])
     return f"zfunc_{name}_{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+_HEADERS = (".h", ".hh", ".hpp", ".cuh", ".inc")
+
+
+def _build_files(sources: Sequence[str]) -> tuple[dict[str, Path], list[str], str]:
+    """``(files, compiled, digest)``: every file a build of ``sources`` reads from the source tree (the
+    sources and every header under ``csrc/``), by its name in the build's own copy; the names of the
+    compiled ones, in order; and a digest of the names and contents of them all."""
+    files: dict[str, Path] = {}
+    compiled = []
+    for i, s in enumerate(sources):
+        path = CSRC / s
+        rel = s if not Path(s).is_absolute() else f"_given/{i}/{path.name}"  # outside csrc/
+        files[rel] = path
+        compiled.append(rel)
+    for h in sorted(CSRC.rglob("*")):
+        if h.suffix in _HEADERS and h.is_file():
+            files.setdefault(h.relative_to(CSRC).as_posix(), h)
+    digest = hashlib.sha1()
+    for rel in sorted(files):
+        digest.update(rel.encode() + b"\0" + files[rel].read_bytes() + b"\0")
+    return files, compiled, digest.hexdigest()
+
+
+def _snapshot(build_dir: Path, files: dict[str, Path]) -> Path:
+    """The build's own copy of its sources, in its build folder (made once, under the build lock):
+    torch records the paths it compiles, so every checkout that builds from this copy finds the
+    build up to date, where builds from each checkout's own path would redo each other's."""
+    out = build_dir / "src"
+    if not out.is_dir():
+        tmp = build_dir / f"src.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for rel, path in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, tmp / rel)
+        os.rename(tmp, out)
+    return out
 
 
 def _short(err: BaseException) -> str:
@@ -229,17 +272,19 @@ def load(name: str, sources: Sequence[str], *, extra_cflags: Sequence[str] = (),
         if reason is None:
             from torch.utils import cpp_extension
 
-            ext = _ext_name(name, cflags, ldflags, cuda)
             try:
-                with _build_lock(ext):
+                files, compiled, digest = _build_files(sources)
+                ext = _ext_name(name, cflags, ldflags, cuda, digest)
+                with _build_lock(ext) as build_dir:
                     _announce_build(name, ext)
+                    src = _snapshot(build_dir, files)
                     module = cpp_extension.load(
                         name=ext,
-                        sources=[str(CSRC / s) for s in sources],
+                        sources=[str(src / rel) for rel in compiled],
                         extra_cflags=cflags,
                         extra_cuda_cflags=["-O3", "-lineinfo"] if cuda else None,
                         extra_ldflags=ldflags,
-                        extra_include_paths=[str(CSRC)],
+                        extra_include_paths=[str(src)],
                         with_cuda=cuda,
                         verbose=os.environ.get("ZFUNC_OPS_VERBOSE", "") not in ("", "0"),
                     )
@@ -279,7 +324,7 @@ def _build_lock(ext: str):
             print(f"zfunc: removing {stale}, left by a build that did not finish", file=sys.stderr, flush=True)
             stale.unlink(missing_ok=True)
         try:
-            yield
+            yield build_dir
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
