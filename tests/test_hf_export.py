@@ -18,6 +18,8 @@ import textwrap
 import weakref
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 import zfunc as zf
@@ -330,12 +332,16 @@ def test_an_error_on_rank_0_is_raised_on_every_rank(tmp_path):
 
 
 def test_a_new_export_replaces_the_old_one_and_a_failed_one_changes_nothing(tmp_path, monkeypatch):
+    """With overwrite=True the other split's shards and index go, but only once the new weights are
+    complete: a failed export leaves the old folder as it was."""
     model = build("gpt")
     with zf.zero3(zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1))).init(model) as state:
         params = zf.gather_params(state)
         zf.checkpoint.save_hf(state, str(tmp_path), max_shard_size=100)
         assert len(written(tmp_path)) == len(params)  # the tied head once
-        zf.checkpoint.save_hf(state, str(tmp_path))  # one file: the shards and the index go
+        with pytest.raises(FileExistsError, match="model.safetensors.index.json"):  # they would stay
+            zf.checkpoint.save_hf(state, str(tmp_path))
+        zf.checkpoint.save_hf(state, str(tmp_path), overwrite=True)  # one file: the shards and the index go
         assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
 
         def fail(self, name, value):
@@ -343,7 +349,7 @@ def test_a_new_export_replaces_the_old_one_and_a_failed_one_changes_nothing(tmp_
 
         monkeypatch.setattr(hf_files.SafetensorsFile, "put", fail)
         with pytest.raises(OSError, match="injected"):
-            zf.checkpoint.save_hf(state, str(tmp_path), max_shard_size=100)
+            zf.checkpoint.save_hf(state, str(tmp_path), max_shard_size=100, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # no temporary file left
     tensors = written(tmp_path)
     assert tensors.keys() == params.keys() and all(torch.equal(tensors[k], v) for k, v in params.items())
@@ -376,3 +382,105 @@ def test_the_finetune_example_loads_trains_and_exports(tmp_path, monkeypatch, ca
                                             "--max-shard-size", "100KB", "--out", str(tmp_path / "tuned")]))
     assert "from_pretrained loads it, equal to the trained weights" in capsys.readouterr().err
     assert "model.safetensors.index.json" in os.listdir(tmp_path / "tuned")
+
+
+# Files another model leaves in a folder (from_pretrained or peft would read them), and a user's others.
+MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "model-00001-of-00003.safetensors",
+               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model-00001-of-00002.bin", "pytorch_model.bin.index.json", "adapter_config.json",
+               "adapter_model.safetensors", "adapter_model.bin"]
+USER_FILES = ["README.md", "tokenizer.json", "tokenizer_config.json", "training_args.bin", "notes.txt"]
+
+
+def _contents(folder) -> dict[str, bytes]:
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(old=st.sets(st.sampled_from(MODEL_FILES)), user=st.sets(st.sampled_from(USER_FILES)),
+       with_config=st.booleans(), shards=st.sampled_from([None, 100]))
+def test_another_models_files_are_refused_or_removed(old, user, with_config, shards, tmp_path_factory):
+    """A model file the export would leave beside its own (not one it writes anew) is refused, the
+    folder untouched; with overwrite=True removed; a user's other files are kept either way."""
+    tmp = tmp_path_factory.mktemp("hf")
+    model = build("gpt")
+    config = {"model_type": "gpt2", "n_embd": 16} if with_config else None
+    kw = dict(config=config) | ({} if shards is None else {"max_shard_size": shards})
+    with zf.zero3(zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1))).init(model) as state:
+        zf.checkpoint.save_hf(state, str(tmp / "fresh"), **kw)
+        fresh = _contents(tmp / "fresh")
+        folder = tmp / "out"
+        folder.mkdir()
+        for name in sorted(old | user):
+            (folder / name).write_bytes(b"another model's " + name.encode())
+        before = _contents(folder)
+        stale = sorted(old - fresh.keys())
+        if stale:
+            with pytest.raises(FileExistsError, match=re.escape(str(stale))):
+                zf.checkpoint.save_hf(state, str(folder), **kw)
+            assert _contents(folder) == before  # nothing written, nothing removed
+            zf.checkpoint.save_hf(state, str(folder), overwrite=True, **kw)
+        else:  # only files it writes anew, or none: no overwrite needed
+            zf.checkpoint.save_hf(state, str(folder), **kw)
+    assert _contents(folder) == fresh | {n: before[n] for n in user}
+
+
+def export_over(directory: str, overwrite: bool) -> tuple[str, dict]:
+    """save_hf of a trained Llama, with its config, into ``directory`` at W: the error, or the parameters."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = hf_model("llama")
+    step = zf.zero3(zf.train_step(lambda p, x: zf.apply(model, p, input_ids=x, labels=x).loss, zf.optim.sgd(0.1)))
+    with step.init(model) as state:
+        state, _ = step(state, tokens(0, 2 * world)[2 * rank: 2 * rank + 2])
+        try:
+            zf.checkpoint.save_hf(state, directory, config=model.config, overwrite=overwrite)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", {}
+        return "", zf.gather_params(state)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_folder_of_another_model_saved_by_save_pretrained(world, tmp_path):
+    """Qwen2 saved by save_pretrained in 11 shards with its generation config, a README and a tokenizer
+    config beside: save_hf of a Llama (one file) refuses it on every rank, then with overwrite=True
+    leaves a folder from_pretrained loads as that Llama alone, the user's files kept."""
+    folder = tmp_path / "out"
+    hf_model("qwen2").save_pretrained(folder, max_shard_size="3KB")
+    (folder / "README.md").write_text("# my model\n")
+    (folder / "tokenizer_config.json").write_text("{}\n")
+    before = _contents(folder)
+    assert len([n for n in before if n.startswith("model-")]) > 2 and "generation_config.json" in before
+    results = workers(world).run(export_over, str(folder), False)
+    assert results[0][0].startswith("FileExistsError") and "generation_config.json" in results[0][0]
+    assert "model-00011-of-00011.safetensors" in results[0][0] and "Pass overwrite=True" in results[0][0]
+    assert all(r[0].startswith("RuntimeError: rank 0 could not write") for r in results[1:])
+    assert _contents(folder) == before
+    (_, params), *_ = workers(world).run(export_over, str(folder), True)
+    assert sorted(os.listdir(folder)) == ["README.md", "config.json", "model.safetensors", "tokenizer_config.json"]
+    assert (folder / "README.md").read_text() == "# my model\n"
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in params.items())
+
+
+def test_export_hf_and_the_cli_refuse_a_config_they_would_leave(tmp_path, capsys):
+    """Without --config an old config.json would describe the new weights: export-hf refuses, saying
+    how to go on; --overwrite removes it (the folder then holds the weights alone)."""
+    model = build("gpt")
+    with zf.zero3(zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1))).init(model) as state:
+        zf.checkpoint.save(state, str(tmp_path / "ckpt"), "t")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "llama"}\n')
+    with pytest.raises(FileExistsError, match=r"\['config.json'\] \(give config= to write config.json anew\)"):
+        zf.checkpoint.export_hf(str(tmp_path / "ckpt"), str(out))
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        zf.checkpoint.main(["export-hf", str(tmp_path / "ckpt"), str(out)])
+    assert sorted(os.listdir(out)) == ["config.json"]
+    assert zf.checkpoint.main(["export-hf", str(tmp_path / "ckpt"), str(out), "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    (out / "config.json").write_text('{"model_type": "llama"}\n')  # with a config given, it is written anew
+    zf.checkpoint.export_hf(str(tmp_path / "ckpt"), str(out), config={"model_type": "gpt2"})
+    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"

@@ -525,12 +525,12 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
 
 
 def export_hf(directory: str, out: str, *, tag: str | None = None, dtype: torch.dtype | None = None,
-              max_shard_size: int | str = "5GB", config=None) -> str:
+              max_shard_size: int | str = "5GB", config=None, overwrite: bool = False) -> str:
     """Write checkpoint ``directory/tag`` (saved at any world size, by any composition) as a Hugging Face
     model folder ``out``, one unit in memory at a time, in this process alone; returns ``out``. The
-    rest as ``save_hf`` (zfunc.hf_export)."""
+    rest as ``save_hf`` (zfunc.hf_export), ``overwrite`` too."""
     return export_saved(Saved(resolve(directory, tag)), out, dtype=dtype, max_shard_size=max_shard_size,
-                        config=config)
+                        config=config, overwrite=overwrite)
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -558,10 +558,14 @@ def main(argv=None) -> int:
     e.add_argument("--config", default=None,
                    help="a folder holding config.json, or a JSON file: written as config.json (without it, "
                         "from_pretrained needs the config from elsewhere)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="remove another model's files in OUT that this export would leave beside its weights "
+                        "(config.json without --config, generation_config.json, other shards, *.bin, adapter files); "
+                        "without it such a folder is refused")
     args = parser.parse_args(argv)
     if args.command == "export-hf":
         export_hf(args.directory, args.out, tag=args.tag, dtype=_DTYPES.get(args.dtype),
-                  max_shard_size=args.max_shard_size, config=args.config)
+                  max_shard_size=args.max_shard_size, config=args.config, overwrite=args.overwrite)
         print(f"wrote {args.out}", file=sys.stderr)
         return 0
     if args.safetensors:

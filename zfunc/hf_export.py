@@ -18,27 +18,36 @@ In which dtype: ``dtype=None`` writes each parameter in the dtype the model had 
 in bf16, its master weights cast to it); frozen parameters their stored values in that dtype;
 buffers as the state holds them. A ``dtype`` casts every floating-point tensor to it. The
 values equal ``zf.gather_params(state)`` cast to the dtype written, bit for bit.
+
+Into a folder that holds another model: files this save writes anew are replaced, as
+``save_pretrained`` does; files of a model it would leave beside them (a ``config.json`` without
+``config=``, a ``generation_config.json``, shards and indexes of another split, ``pytorch_model*.bin``,
+adapter files: whatever ``from_pretrained`` or peft would read with the new weights) make it refuse
+before anything is written, unless ``overwrite=True``, which removes them once the new weights are
+complete. Other files (a README, the tokenizer's) are kept.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 
 import torch
 
 from . import dist, swap
 from .checkpoint_io import dtype_of, free_space_error
-from .hf_files import ModelFolder, Planned, SafetensorsFile, config_dict
+from .hf_files import CONFIG, INDEX, ModelFolder, Planned, SafetensorsFile, config_dict
 from .state import master_params, unit_values
 
 
 def save_hf(state, directory: str, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-            config=None) -> str:
+            config=None, overwrite: bool = False) -> str:
     """Write ``state``'s weights as a Hugging Face model folder ``directory`` (every rank calls it; rank 0
     writes); returns ``directory``. ``max_shard_size``: bytes, or ``"5GB"``, ``"500MB"``; ``config``: a
     ``PretrainedConfig``, a dict, a folder holding ``config.json`` or a JSON file, written as
-    ``config.json``. See the module docstring for the names and dtypes written."""
+    ``config.json``; ``overwrite``: remove another model's files this save would leave in ``directory``
+    (else they are refused). See the module docstring for the names and dtypes written."""
     swap.check_state(state)
     spec = state.params.spec
     transient = set(spec.model.transient_buffers)
@@ -60,15 +69,16 @@ def save_hf(state, directory: str, *, dtype: torch.dtype | None = None, max_shar
             yield name, b.to("cpu", dtypes[name])
 
     return _write(directory, plan, parameters, max_shard_size, config, values(), spec.process_group,
-                  collective=True)
+                  collective=True, overwrite=overwrite)
 
 
 def export_saved(saved, directory: str, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                 config=None) -> str:
+                 config=None, overwrite: bool = False) -> str:
     """Write checkpoint ``saved`` (a ``zfunc.checkpoint.Saved``, any world size and composition) as a
     Hugging Face model folder, in one process; returns ``directory``. Arguments as ``save_hf``."""
     plan, parameters, values = _from_saved(saved, dtype)
-    return _write(directory, plan, parameters, max_shard_size, config, values, None, collective=False)
+    return _write(directory, plan, parameters, max_shard_size, config, values, None, collective=False,
+                  overwrite=overwrite)
 
 
 def safetensors_from_saved(saved, path: str, dtype: torch.dtype) -> str:
@@ -148,12 +158,38 @@ def _from_saved(saved, dtype):
     return plan, parameters, values()
 
 
+# what from_pretrained (or peft) reads as a model's config or weights, beside or instead of ours
+_MODEL_CONFIGS = (CONFIG, "generation_config.json", "adapter_config.json")
+_MODEL_WEIGHTS = re.compile(r".+\.safetensors|.+\.safetensors\.index\.json|pytorch_model.*\.bin|.+\.bin\.index\.json|"
+                            r"adapter_model.*\.bin|tf_model.*\.h5|flax_model.*\.msgpack")
+
+
+def _stale(directory: str, folder: ModelFolder, config_files) -> list[str]:
+    """Another model's files in ``directory`` that this save would leave beside what it writes."""
+    writes = set(folder.shards) | ({INDEX} if len(folder.shards) > 1 else set()) | set(config_files)
+    if folder.config is not None:
+        writes.add(CONFIG)
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if e not in writes and (e in _MODEL_CONFIGS or _MODEL_WEIGHTS.fullmatch(e))
+                  and os.path.isfile(os.path.join(directory, e)))
+
+
+def _remove(directory: str, names: list[str]) -> None:
+    """Remove ``names``, the indexes first: a kill midway leaves no index naming a removed shard."""
+    for name in sorted(names, key=lambda n: not n.endswith(".index.json")):
+        os.remove(os.path.join(directory, name))
+
+
 def _write(directory: str, plan: list[Planned], parameters: Counter, max_shard_size, config, values, group, *,
-           collective: bool) -> str:
+           collective: bool, overwrite: bool = False) -> str:
     """Write the folder from ``values``, in this process alone, or (``collective``) while every rank of
     ``group`` runs through ``values`` (their gathers are collectives) and rank 0 writes: an error on
-    rank 0 is then raised on every rank once the others are done."""
-    folder, error = None, None
+    rank 0 is then raised on every rank once the others are done. Another model's files are refused
+    before anything is written, or (``overwrite``) removed once every shard is complete."""
+    folder, error, stale = None, None, []
     if not collective or dist.rank(group) == 0:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -162,6 +198,14 @@ def _write(directory: str, plan: list[Planned], parameters: Counter, max_shard_s
             cfg, files = (None, {}) if config is None else config_dict(config, weights_dtype)
             folder = ModelFolder(directory, plan, max_shard_size=max_shard_size, parameters=sum(parameters.values()),
                                  config=cfg, config_files=files)
+            stale = _stale(directory, folder, files)
+            if stale and not overwrite:
+                raise FileExistsError(
+                    f"{directory!r} holds another model's files that this save would leave beside its weights, and "
+                    f"from_pretrained would read: {stale}" + (" (give config= to write config.json anew)"
+                                                             if CONFIG in stale else "")
+                    + ". Pass overwrite=True (--overwrite) to remove them, or write into another folder; "
+                    "nothing was written")
             error = free_space_error(directory, folder.total_bytes, "a Hugging Face model")
         except Exception as e:
             error = e
@@ -175,6 +219,7 @@ def _write(directory: str, plan: list[Planned], parameters: Counter, max_shard_s
         del t  # not held while the next unit is gathered
     if folder is not None and error is None:
         try:
+            _remove(directory, stale)  # every new shard is complete (not yet under its name)
             folder.close()
         except Exception as e:
             error = e
