@@ -98,12 +98,12 @@ def share_fault(given, returned, fault: Fault | None) -> None:
 
 
 def refused_on_every_rank(state, what: str) -> None:
-    """Raise on every rank of ``group`` when some rank's state is refused (``failed_here`` says
-    whether this one's is), from a collective every rank makes anyway; then each rank's state knows
-    (its ``Fault`` is ``agreed``), so its next use refuses at once, with no collective."""
+    """Raise, on each rank, once a collective (``what``) said that some rank's state is refused: a
+    rank whose own update went through takes that failure into the fault its state shares with
+    the state its last update was given (or a new one). Every rank's ``Fault`` is then ``agreed``,
+    so the next use refuses at once, with no collective."""
     fault = fault_of(state)
-    if fault is None:  # another rank's failed: this rank's state (and the one its last update was given) no
-        # longer matches it
+    if fault is None:  # another rank's failed: this rank's state no longer matches it
         fault = next((n.fault for n in _nodes(state) if n.fault is not None), None) or Fault()
         fault.record(RuntimeError(f"another rank's state is refused ({what}); that rank's error names the cause"),
                      "the optimizer update on another rank")
