@@ -16,14 +16,15 @@ def _stop_workers():
 
 def pytest_runtest_logreport(report):
     """With ``ZFUNC_FAILURE_LOG=path``, each failure's traceback is appended to ``path`` the
-    moment it happens, and each test's outcome to ``path.outcomes`` (the GPU check reads them
-    even when the run is cut short, and xdist's dots name no test)."""
+    moment it happens, and each test's outcome and seconds to ``path.outcomes`` (the GPU check
+    reads them even when the run is cut short, and xdist's dots name no test; docs/testing.md's
+    tier costs are summed from them)."""
     path = os.environ.get("ZFUNC_FAILURE_LOG")
     if not path:
         return
     if report.failed:
         with open(path, "a") as f:
             f.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n")
-    if report.when == "call" or report.outcome != "passed":
+    if report.when == "call" or report.outcome != "passed" or report.duration > 1:
         with open(path + ".outcomes", "a") as f:
-            f.write(f"{report.outcome} {report.nodeid} ({report.when})\n")
+            f.write(f"{report.outcome} {report.nodeid} ({report.when}) {report.duration:.2f}s\n")
