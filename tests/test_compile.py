@@ -46,7 +46,10 @@ def _run(world: int, name: str, stage: int, composition: str, how: dict | None, 
     kw = dict(COMPOSITIONS[composition])
     if kw.pop("prefetch", False):
         stage = 3  # the coordinator's prefetch along its trace is zero3's
-    return workers(world).run(run_composed, name, KW.get(name, {}), stage, steps, 4, 0, kw.get("precision"),
+    precision = kw.get("precision")
+    if precision is not None and name == "frozen_bn":  # adds a buffer to activations: buffers in the dtype too
+        precision = precision | {"buffer_dtype": precision["dtype"]}
+    return workers(world).run(run_composed, name, KW.get(name, {}), stage, steps, 4, 0, precision,
                               kw.get("micro"), kw.get("clip"), False, None, False, None, kw.get("offload"), how)
 
 

@@ -62,7 +62,10 @@ def _run(backend: str, name: str, c: dict, tmp_path) -> dict:
     if offload is not None and offload["kind"] == "nvme":
         offload = {**offload, "path": str(tmp_path / backend)}
     device = "cuda" if backend == "nccl" else "cpu"
-    (result,) = workers(1, backend).run(run_composed, name, MODELS[name], c["stage"], 3, 4, 0, c.get("precision"),
+    precision = c.get("precision")
+    if precision is not None and name == "frozen_bn":  # adds a buffer to activations: buffers in the dtype too
+        precision = precision | {"buffer_dtype": precision["dtype"]}
+    (result,) = workers(1, backend).run(run_composed, name, MODELS[name], c["stage"], 3, 4, 0, precision,
                                          c.get("micro"), c.get("clip"), False, None, False, None, offload, None,
                                          device)
     return result

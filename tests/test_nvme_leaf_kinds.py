@@ -63,7 +63,8 @@ def _compose(base, stage: int, offload: dict | None, threshold: int, micro: int 
              precision=None):
     """``zeroN([accumulate](offload_nvme([accumulate]([mixed_precision](base)))))``: accumulate
     inside offload_nvme, or outside it with ``under``; no offload_nvme with ``offload=None``."""
-    step = zf.mixed_precision(base, precision) if precision is not None else base
+    # the model adds its fp32 buffer to activations: it needs its buffers in the compute dtype too
+    step = zf.mixed_precision(base, precision, buffer_dtype=precision) if precision is not None else base
     step = zf.accumulate(step, micro) if micro and not under else step
     step = zf.offload_nvme(step, SWAP, buffer_size=10**6, **offload) if offload is not None else step
     step = zf.accumulate(step, micro) if micro and under else step
