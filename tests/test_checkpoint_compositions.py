@@ -190,6 +190,7 @@ def test_another_optimizer_with_the_same_transforms_names_them_once(tmp_path):
     assert "here only: ['opt_state.momentum']; in the checkpoint only: ['opt_state.mu', 'opt_state.nu']" in error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("saved,loaded", [((2, 2), (1, 3)), ((1, 3), (2, 1)), ((2, 3), (3, 3))])
 def test_another_world_size_and_stage_reshard_and_load(saved, loaded, tmp_path):
     """What differs only in world size and ZeRO stage is no mismatch: load reshards it."""

@@ -439,7 +439,7 @@ def export_over(directory: str, overwrite: bool) -> tuple[str, dict]:
         return "", zf.gather_params(state)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_folder_of_another_model_saved_by_save_pretrained(world, tmp_path):
     """Qwen2 saved by save_pretrained in 11 shards with its generation config, a README and a tokenizer
     config beside: save_hf of a Llama (one file) refuses it on every rank, then with overwrite=True

@@ -159,7 +159,8 @@ def test_fp16_clipping_sees_unscaled_gradients():
 HF_SMALL = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=64, head_dim=8, bos_token_id=0, eos_token_id=0,
                 pad_token_id=0)
-HF_FAMILIES = ["llama", "qwen2", "gemma2", "qwen3", "gpt_neox", "phi", "granite", "starcoder2"]
+HF_FAMILIES = ["llama", "gemma2", "gpt_neox"] + [pytest.param(k, marks=pytest.mark.slow)
+                                                for k in ("qwen2", "qwen3", "phi", "granite", "starcoder2")]
 HF_LR = 0.05
 
 
