@@ -13,9 +13,12 @@ import struct
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import zfunc as zf
+from zfunc.weights import WeightsMismatch
 from test_zero_equivalence import assert_close_to
 from workers import fresh_workers, workers
 
@@ -33,6 +36,8 @@ def config(kind: str):
         "llama": lambda: t.LlamaConfig(**small),
         "qwen2": lambda: t.Qwen2Config(**small, tie_word_embeddings=True),
         "mixtral": lambda: t.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                              head_dim=8),
         "gpt2": lambda: t.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
         "t5": lambda: t.T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
@@ -42,6 +47,7 @@ def config(kind: str):
 
 def build(kind: str, device: str = "cpu", seed: int = 0) -> nn.Module:
     cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
+           "qwen3_moe": "Qwen3MoeForCausalLM",
            "gpt2": "GPT2LMHeadModel", "t5": "T5ForConditionalGeneration"}[kind]
     torch.manual_seed(seed)
     with torch.device(device):
@@ -320,10 +326,102 @@ def test_strict_false_initializes_what_the_files_lack(saved, tmp_path):
     src = saved("llama")
     path = _rewrite(src, tmp_path / "part", lambda t: {**{k: v for k, v in t.items() if k != "model.norm.weight"},
                                                        "unused": torch.zeros(2)})
-    got = zf.gather_params(_init("llama", path, strict=False))
+    with pytest.warns(WeightsMismatch, match=r"20 of the model's 21 tensors read; 1 missing .*'model\.norm\.weight'; "
+                                             r"1 unexpected \(not read\): 'unused'"):
+        got = zf.gather_params(_init("llama", path, strict=False))
     want = saved_values("llama")
     assert torch.equal(got["model.norm.weight"], torch.ones(16))  # RMSNorm's init
     assert all(torch.equal(got[k], v) for k, v in want.items() if k != "model.norm.weight")
+
+
+LLAMA_KEYS = sorted(build("llama").state_dict())
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(drop=st.sets(st.sampled_from(LLAMA_KEYS), min_size=1, max_size=len(LLAMA_KEYS) - 1),
+       extra=st.sets(st.sampled_from(["unused", "model.layers.0.extra", "model.layers.9.mlp.up_proj.weight"])))
+def test_strict_false_reports_what_load_state_dict_reports(saved, tmp_path_factory, drop, extra):
+    """Any tensors missing and any extra: ``strict=False`` warns with the counts and names, and the
+    warning's ``incompatible`` (``Weights.incompatible``) holds the keys ``load_state_dict(strict=False)``
+    returns for the same tensors."""
+    src = saved("llama")
+    path = _rewrite(src, tmp_path_factory.mktemp("part"),
+                    lambda t: {**{k: v for k, v in t.items() if k not in drop}, **{k: torch.zeros(2) for k in extra}})
+    with pytest.warns(WeightsMismatch) as caught:
+        got = zf.gather_params(_init("llama", path, strict=False))
+    [warning] = [w.message for w in caught if isinstance(w.message, WeightsMismatch)]
+    want = build("llama").load_state_dict(safetensors.load_file(os.path.join(path, "model.safetensors")), strict=False)
+    assert sorted(warning.incompatible.missing_keys) == sorted(want.missing_keys) == sorted(drop)
+    assert sorted(warning.incompatible.unexpected_keys) == sorted(want.unexpected_keys) == sorted(extra)
+    assert f"{len(LLAMA_KEYS) - len(drop)} of the model's {len(LLAMA_KEYS)} tensors read; {len(drop)} missing" in str(warning)
+    values = saved_values("llama")
+    assert all(torch.equal(got[k], values[k]) for k in LLAMA_KEYS if k not in drop)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_files_that_share_no_tensor_with_the_model_are_refused(saved, tmp_path, strict):
+    """A peft model's names over a plain checkpoint (or any renaming): nothing would be read, so init
+    refuses, naming the files' keys and the model's and what to do."""
+    path = _rewrite(saved("llama"), tmp_path / "renamed", lambda t: {f"base_model.model.{k}": v for k, v in t.items()})
+    with pytest.raises(ValueError, match=r"share no tensor with the model: 21 tensors the files hold: "
+                                         r"'base_model\.model\..*21 tensors the model needs: 'model\.embed_tokens"
+                                         r".*load the files into the model they were saved from"):
+        _init("llama", path, strict=strict)
+
+
+# ------------------------------------------------- fused (Mixture-of-Experts) tensors
+
+def init_error(kind: str, path: str) -> str:
+    """The error ``step.init(build(kind, "meta"), weights=path)`` raises on this rank."""
+    try:
+        _init(kind, path).close()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _file_keys(kind: str, src: str) -> list[str]:
+    from zfunc.safetensors_io import tensors_of
+
+    return sorted(k for k in tensors_of(src) if ".experts." in k)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pick=st.integers(0, 10**6), how=st.sampled_from(["missing", "rows", "columns"]), strict=st.booleans())
+def test_a_missing_or_misshaped_expert_is_named(kind, saved, tmp_path_factory, pick, how, strict):
+    """Any one expert tensor missing or of another shape: the error names the tensor, its file (the one
+    holding its siblings where it is missing) and the shape expected, on every rank."""
+    src = saved(kind)
+    keys = _file_keys(kind, src)
+    key = keys[pick % len(keys)]
+    from zfunc.safetensors_io import tensors_of
+
+    expected = tensors_of(src)[key].shape
+
+    def change(t):
+        shape = t[key].shape
+        if how == "missing":
+            return {k: v for k, v in t.items() if k != key}
+        bigger = (shape[0] + 1, shape[1]) if how == "rows" else (shape[0], shape[1] + 1)
+        return {**t, key: torch.zeros(bigger)}
+
+    path = _rewrite(src, tmp_path_factory.mktemp("moe"), change)
+    file = os.path.join(path, "model.safetensors")
+    with pytest.raises(ValueError) as raised:
+        _init(kind, path, strict=strict)
+    text = str(raised.value)
+    assert repr(key) in text and repr(file) in text, text
+    assert (f"(shape {expected})" if how == "missing" else f"expected shape {expected}") in text, text
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_an_expert_error_is_raised_on_every_rank(kind, saved, tmp_path):
+    src = saved(kind)
+    key = _file_keys(kind, src)[-1]
+    path = _rewrite(src, tmp_path / "moe", lambda t: {k: v for k, v in t.items() if k != key})
+    for text in workers(2).run(init_error, kind, path):
+        assert f"tensor {key!r}" in text and "is missing" in text, text
 
 
 def test_damaged_files_are_named(saved, tmp_path):
