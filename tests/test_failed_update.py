@@ -11,6 +11,7 @@ whichever rank failed."""
 import importlib
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -63,7 +64,12 @@ def break_adam_after(k: int):
     return lambda: setattr(adam, "adam_update_", real)
 
 
-def make_step(kind: str, overlap: bool, ratio, folder: str):
+TIMEOUT_S = 30  # the steps' collective timeout: every rank must raise far sooner
+PROMPT_S = 10  # the most any one use may take on any rank, failing or refusing
+
+
+def make_step(kind: str, overlap: bool, ratio, folder: str, stage: int = 3):
+    """``zero{stage}`` over ``kind``'s offload (zero1/2 keep parameters off the disk: params=False)."""
     holder = []
 
     def loss_fn(params, b):
@@ -73,10 +79,12 @@ def make_step(kind: str, overlap: bool, ratio, folder: str):
     if kind == "cpu":
         step = zf.offload_cpu(step, copy_grads_on_host=True, overlap=overlap, ratio=ratio)
     else:  # two units a sub-group: the update streams, the last sub-group stays resident
-        step = zf.offload_nvme(step, folder, sub_group_size=150, buffer_size=4096)
+        step = zf.offload_nvme(step, folder, sub_group_size=150, buffer_size=4096, params=stage == 3,
+                               collective_timeout=TIMEOUT_S)
     model = Net()
     holder.append(model)
-    return zf.zero3(step), model
+    stepped = zf.zero3(step, collective_timeout=TIMEOUT_S) if stage == 3 else (zf.zero1, zf.zero2)[stage - 1](step)
+    return stepped, model
 
 
 def batch(rank: int, i: int):
@@ -85,11 +93,12 @@ def batch(rank: int, i: int):
 
 
 def _refusals(state, step, folder: str, rank: int, uses: tuple) -> list[str]:
-    """Each of ``uses`` on ``state`` twice; each must raise. Returns the messages."""
+    """Each of ``uses`` on ``state`` twice; each must raise, within ``PROMPT_S``. Returns the messages."""
     out = []
     for use in uses:
         for attempt in range(2):
             where = os.path.join(folder, f"ckpt-{use}-{attempt}")
+            began = time.perf_counter()
             with pytest.raises(RuntimeError) as e:
                 if use == "step":
                     step(state, batch(rank, 9))
@@ -101,6 +110,8 @@ def _refusals(state, step, folder: str, rank: int, uses: tuple) -> list[str]:
                     zf.memory_report(state)
                 else:
                     state.params.leaves
+            took = time.perf_counter() - began
+            assert took < PROMPT_S, f"rank {rank}: {use} took {took:.1f} s to refuse ({e.value})"
             assert not os.path.exists(where), f"{use} wrote {where}"
             text = str(e.value)
             assert "load your last checkpoint" in text, text
@@ -111,12 +122,12 @@ def _refusals(state, step, folder: str, rank: int, uses: tuple) -> list[str]:
 ALL_USES = ("step", "save", "gather", "report", "leaves")
 
 
-def fault_run(kind: str, overlap: bool, ratio, k: int, failing: int, first: str = "step") -> dict:
+def fault_run(kind: str, overlap: bool, ratio, k: int, failing: int, first: str = "step", stage: int = 3) -> dict:
     """On every rank: a clean step, then one whose update breaks after ``k`` tensors on rank
     ``failing`` alone; then every use of the states, ``first`` first. Returns what happened."""
     rank = zf.dist.rank()
     with tempfile.TemporaryDirectory() as folder:
-        step, model = make_step(kind, overlap, ratio, folder)
+        step, model = make_step(kind, overlap, ratio, folder, stage)
         state = step.init(model)
         state, _ = step(state, batch(rank, 0))
         state.params.leaves  # the first update is over before the kernel breaks
@@ -124,12 +135,15 @@ def fault_run(kind: str, overlap: bool, ratio, k: int, failing: int, first: str 
         undo = break_adam_after(k) if rank == failing else (lambda: None)
         raised = None
         try:
+            began = time.perf_counter()
             try:
                 state, _ = step(state, batch(rank, 1))
             except InjectedFault as e:
                 raised = str(e) + "\n".join(getattr(e, "__notes__", []))
             except RuntimeError as e:  # offload_nvme: a write after the fault
                 raised = str(e)
+            took = time.perf_counter() - began
+            assert took < PROMPT_S, f"rank {rank}: the failing step took {took:.1f} s"
             if rank == failing and raised is None and kind == "cpu":
                 # overlap: the update runs behind the step; a fault there surfaces at the next use
                 assert overlap
@@ -156,21 +170,27 @@ def _check(results, k: int, failing: int):
                 assert "another rank" in text, text
 
 
-def _tensors_per_update(kind: str, ratio) -> int:
-    """How many tensors one update hands the kernel (a fault may come after any of them)."""
+def _tensors_per_update(kind: str, ratio, stage: int = 3) -> int:
+    """How many tensors one update hands the kernel on this rank (a fault may come after any of them)."""
     calls = []
     real = adam.adam_update_
     adam.adam_update_ = lambda params, *a, **kw: calls.append(len(params)) or real(params, *a, **kw)
     try:
         with tempfile.TemporaryDirectory() as folder:
-            step, model = make_step(kind, False, ratio, folder)
+            step, model = make_step(kind, False, ratio, folder, stage)
             state = step.init(model)
-            state, _ = step(state, batch(0, 0))
+            state, _ = step(state, batch(zf.dist.rank(), 0))
             if kind == "nvme":
                 state.close()
     finally:
         adam.adam_update_ = real
     return sum(calls)
+
+
+def _faults(n: int) -> list[int]:
+    """Where to break an update of ``n`` tensors: eight places and the last (offload_nvme's many
+    pieces: 0 breaks its first sub-group before any write, the last one after the others' writes)."""
+    return sorted({*range(0, n, max(1, n // 8)), n - 1})
 
 
 FAST = [("cpu", True, None, 2), ("cpu", False, None, 2), ("cpu", True, 0.5, 0), ("nvme", False, None, 3)]
@@ -189,13 +209,36 @@ def test_one_rank_failing_refuses_on_every_rank(overlap, first):
     assert results[0]["raised"] is None  # rank 0's own update went through
 
 
+# where the fault comes: "first", the first tensor (before any of offload_nvme's writes); "last", after them
+@pytest.mark.parametrize("kind, stage, where", [("nvme", 3, "last"), ("cpu", 1, "last")])
+def test_one_rank_failing_raises_promptly_on_every_rank(kind, stage, where):
+    """offload_nvme (whose failed store reads nothing more) and zero1/2 (whose update ends in
+    all-gathers): every rank raises at once, within PROMPT_S, not at the collective timeout."""
+    n = workers(2).run(_tensors_per_update, kind, None, stage)[1]
+    k = 0 if where == "first" else n - 1
+    results = workers(2).run(fault_run, kind, False, None, k, 1, "step", stage)
+    _check(results, k, 1)
+    assert results[0]["raised"] is None  # rank 0's own update went through
+    assert results[1]["raised"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, stage", [("nvme", 3), ("nvme", 2), ("nvme", 1), ("cpu", 1), ("cpu", 2)])
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_fault_anywhere_on_either_rank_raises_promptly_on_every_rank(kind, stage, failing):
+    n = workers(2).run(_tensors_per_update, kind, None, stage)[failing]
+    for k, first in zip(_faults(n), ("step", "save", "gather", "step", "report", "leaves") * n):
+        results = workers(2).run(fault_run, kind, False, None, k, failing, first, stage)
+        _check(results, k, failing)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, overlap, ratio", [("cpu", True, None), ("cpu", False, None), ("cpu", True, 0.5),
                                                   ("cpu", False, 0.5), ("nvme", False, None)])
 def test_a_fault_at_any_tensor_of_the_update(kind, overlap, ratio):
     n = _tensors_per_update(kind, ratio)
     assert n >= UNITS
-    for k in sorted({*range(0, n, max(1, n // 8)), n - 1}):  # offload_nvme's many pieces: eight and the last
+    for k in _faults(n):
         (r,) = workers(1).run(fault_run, kind, overlap, ratio, k, 0)
         _check([r], k, 0)
 
@@ -251,3 +294,63 @@ def test_the_last_checkpoint_trains_on_as_if_nothing_had_failed(tmp_path, overla
     for i in (1, 2):
         state, _ = step(state, batch(0, i))
     zf.testing.assert_trees_all_equal(zf.gather_params(state), expected)
+
+
+def pipeline_fault_run(stages: int, zero_stage: int, failing: int, k: int) -> dict:
+    """A pipeline of ``stages`` (zero inside each stage's data-parallel group): a clean batch, then
+    one whose update breaks after ``k`` tensors on rank ``failing`` alone; then train_batch,
+    eval_batch and save_checkpoint twice each. Returns what each raised and how long it took."""
+    from test_pipeline import config, micro_batch, pipe
+
+    rank = zf.dist.rank()
+    engine = zf.initialize(pipe(stages), config(2, zero_stage))
+    data = lambda i: iter([micro_batch(i, m, engine.grid.replica) for m in range(2)])  # noqa: E731
+    engine.train_batch(data(0))
+    engine.state.params.leaves
+    undo = break_adam_after(k) if rank == failing else (lambda: None)
+    out = {"raised": None, "messages": [], "slowest": 0.0}
+    try:
+        try:
+            engine.train_batch(data(1))
+        except InjectedFault as e:
+            out["raised"] = str(e)
+        with tempfile.TemporaryDirectory() as folder:
+            for use in ("train", "train", "eval", "save", "eval", "train"):
+                began = time.perf_counter()
+                with pytest.raises(zf.UpdateFailed) as e:
+                    if use == "train":
+                        engine.train_batch(data(2))
+                    elif use == "eval":
+                        engine.eval_batch(data(2))
+                    else:
+                        engine.save_checkpoint(folder, "t")
+                out["slowest"] = max(out["slowest"], time.perf_counter() - began)
+                out["messages"].append(str(e.value))
+            assert not os.listdir(folder), os.listdir(folder)
+    finally:
+        undo()
+    return out
+
+
+def _check_pipeline(results, k: int, failing: int):
+    for rank, r in enumerate(results):
+        assert (r["raised"] is not None) == (rank == failing), (rank, r["raised"])
+        assert r["slowest"] < PROMPT_S, (rank, r["slowest"])
+        for text in r["messages"]:
+            assert "load your last checkpoint" in text, text
+            assert (f"after {k} tensors" in text) if rank == failing else ("another rank" in text), (rank, text)
+
+
+def test_a_failed_stage_of_a_pipeline_raises_on_every_stage():
+    """The other stages learn of it at the pipeline's own agreement (it passes agreement= to the
+    stage's step), which the failed stage reaches by running the schedule on what its update left."""
+    _check_pipeline(workers(2).run(pipeline_fault_run, 2, 1, 1, 2), 2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_a_fault_on_any_rank_of_a_pipeline_with_data_parallel_stages(zero_stage):
+    """P = 2 x DP = 2: the failed rank's data-parallel peer gathers with it (zero1/2), every stage
+    agrees at the pipeline's agreement."""
+    for failing, k in ((0, 0), (1, 3), (2, 1), (3, 5)):
+        _check_pipeline(workers(4).run(pipeline_fault_run, 2, zero_stage, failing, k), k, failing)

@@ -112,13 +112,13 @@ def refused_on_every_rank(state, what: str) -> None:
     raise fault.error()
 
 
-def check_usable(state, *, collective: bool = False, group=None) -> None:
+def check_usable(state, *, collective: bool = False, group=None, wait: bool = True) -> None:
     """Raise if ``state`` is refused: an update that failed (``fault_of``, waiting for any still
-    running) or swap files left half-updated or closed (``swap.check_state``). ``collective``: every
-    rank of ``group`` (default: the state's) calls this before a collective, and all raise if any
-    rank's is."""
+    running unless not ``wait``) or swap files left half-updated or closed (``swap.check_state``).
+    ``collective``: every rank of ``group`` (default: the state's) calls this before a collective,
+    and all raise if any rank's is."""
     error = None
-    fault = fault_of(state, wait=True)
+    fault = fault_of(state, wait=wait)
     if fault is not None:
         error = fault.error()
     else:

@@ -34,13 +34,13 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import compiled, coordinator as coordination, dist, layout, lazy
+from . import compiled, coordinator as coordination, dist, layout, lazy, swap
 from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
 from .optim.optimizers import GradInfo, apply_update
 from .placement import Placement
-from .state import State, fault_of, mark_failed, refused_on_every_rank, share_fault
+from .state import State, check_usable, fault_of, mark_failed, refused_on_every_rank, share_fault
 from .transform import Transform, Units
 from .traced import Jit
 from .tree import Fault, Params, ParamsSpec, build_spec
@@ -253,13 +253,18 @@ class Step:
 
     # ------------------------------------------------------------------ call
 
-    def _check(self, state: State) -> None:
+    def _check(self, state: State, *, entry: bool = False, agrees: bool = False) -> None:
+        """Refuse a state this step cannot use. ``entry``: at a step's start, where a state on disk
+        first agrees whether any rank's is refused (``_agree_at_entry``). ``agrees``: the caller's
+        own agreement refuses a failed state (``Step.begin``)."""
         if not isinstance(state, State):
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
+        if entry:
+            self._agree_at_entry(state)
         for t in self.transforms:
             t.check_state(state)
         fault = fault_of(state)
-        if fault is not None and (fault.agreed or dist.world_size(self.group) == 1):
+        if fault is not None and (fault.agreed or (dist.world_size(self.group) == 1 and not agrees)):
             raise fault.error()  # else every rank runs to the agreement, which refuses it on all of them
         if getattr(state, "_donated", False):
             raise ValueError(
@@ -271,6 +276,24 @@ class Step:
                 f"this state was built by {state.plan.describe()}, but this step is "
                 f"{self.plan().describe()}: build the state with this step's init"
             )
+
+    def _agree_at_entry(self, state: State) -> None:
+        """For a state on disk (``offload_nvme``) at W > 1: one all-reduce, before any other
+        collective of the step, of whether this rank's state is refused; if any rank's is, the step
+        raises on every rank. Elsewhere a rank whose update failed runs the forward on what the
+        update left, to reach the step's own agreement (``_agree``); a failed swap store reads and
+        writes nothing more, so that rank could not, and the others would wait in the forward's
+        gathers until the collective timeout. A rank that already agreed raises in ``_check``, as
+        every rank then does, without a collective."""
+        if state.params.spec.swap is None or dist.world_size(self.group) == 1:
+            return
+        fault = fault_of(state)
+        if fault is not None and fault.agreed:
+            return
+        if swap.open_store(state) is None:
+            swap.check_state(state)  # closed by the program (on every rank): says so
+        with dist.deadline(self.coordinator().settings.timeout_s, self.group):
+            check_usable(state, collective=True, group=self.group, wait=False)
 
     def _buffers(self, state: State) -> dict:
         """Fresh buffers for this step: rank 0's, as DDP broadcasts them before each forward."""
@@ -292,12 +315,17 @@ class Step:
 
     # ------------------------------------------------------- a step in parts
 
-    def begin(self, state: State) -> "Started":
+    def begin(self, state: State, *, agrees: bool = False) -> "Started":
         """Start a step whose gradient part the caller runs (the engine's imperative forward and
         backward, zfunc.engine.engine; the pipeline's schedule): the coordinator's passes from here on
         are this step's. Returns the fresh buffers its forwards use and what the transforms
-        noted at the start (``Started``); ``apply_gradients`` ends it."""
-        self._check(state)
+        noted at the start (``Started``); ``apply_gradients`` ends it.
+
+        ``agrees``: the caller agrees over more ranks than this step's group (the pipeline, over
+        every stage) and refuses there a state whose update failed on any of them
+        (``refused_on_every_rank``), so a failed state not yet agreed on goes on to that agreement
+        here, even alone in its group, rather than raise while the others wait for it."""
+        self._check(state, entry=True, agrees=agrees)
         marks = tuple(t.begin_step(state) for t in self.transforms)
         self.coordinator().begin_step()
         return Started(self._buffers(state), marks)
@@ -546,7 +574,7 @@ class EvalStep(Step):
     @torch.no_grad()
     def __call__(self, state: State, batch) -> dict:
         """``metrics["loss"]``: the mean over ranks (and, under ``accumulate``, micro-batches)."""
-        self._check(state)
+        self._check(state, entry=True)
         micro = next((m for t in self.transforms if (m := t.micro_batches(batch)) is not None), None)
         several = micro is not None
         micro = micro if several else [batch]

@@ -31,6 +31,7 @@ from ..transforms.sinks import GradSink
 from ..ops import cpu_adam
 from .link import ACT, GRAD, Link
 from .module import PipelineModule, make_grid
+from ..state import fault_of, refused_on_every_rank
 from ..step import Agreement, agreed_live, live_flags, train_step
 from ..tree import Params
 
@@ -217,8 +218,9 @@ class PipelineEngine(Loop):
     def _agree(self, losses: list, grads: Params) -> Agreement:
         """One all-reduce over the world: the loss (last stage), the global squared norm (each
         shard once, each whole gradient once per stage, a tied module on its first stage only),
-        and whether any gradient is non-finite. The stage's step takes it as agreed
-        (``Step.apply_gradients``)."""
+        whether any gradient is non-finite, and whether any stage's state is refused (an update
+        that failed there: every stage raises, ``refused_on_every_rank``). The stage's step takes
+        it as agreed (``Step.apply_gradients``)."""
         grid = self.grid
         sq_shard = sq_whole = bad = 0.0
         for i, (g, shard) in enumerate(zip(grads.leaves, grads.spec.sharded)):
@@ -233,8 +235,11 @@ class PipelineEngine(Loop):
             elif grid.replica == 0:
                 sq_whole += sq
         loss = float(torch.stack(losses).mean()) if losses else 0.0
-        vec = torch.tensor([loss, sq_shard, sq_whole, bad], dtype=torch.float64, device=dist.device_of(None))
+        failed = float(fault_of(self.state) is not None)
+        vec = torch.tensor([loss, sq_shard, sq_whole, bad, failed], dtype=torch.float64, device=dist.device_of(None))
         dist.all_reduce_sum(vec)
+        if vec[4].item():
+            refused_on_every_rank(self.state, "the pipeline's agreement")
         nonfinite = [f"stage {grid.stage} or another"] if vec[3].item() else []
         return Agreement(torch.tensor(vec[0].item() / grid.replicas, dtype=torch.float32), nonfinite,
                          vec[1].item() + vec[2].item())
@@ -269,7 +274,7 @@ class PipelineEngine(Loop):
         program = S.schedule(self.pipeline_schedule, len(micro), self.grid.stages, self.grid.stage)
         start = time.perf_counter()
         step, state = self.step_fn, self.state
-        started = step.begin(state)
+        started = step.begin(state, agrees=True)  # a stage whose update failed runs to _agree, which refuses
         scaler = step.loss_scaler  # fp16: every stage scales by the same loss scale
         scale = None if scaler is None else float(state.loss_scale.scale)
         losses, grads, peak, live = self._run(program, micro, started.buffers, train=True, scale=scale)
@@ -295,11 +300,13 @@ class PipelineEngine(Loop):
         micro = self._pull(data_iter)
         program = [i for i in S.gpipe(len(micro), self.grid.stages, self.grid.stage)
                    if isinstance(i, (S.LoadMicroBatch, S.RecvActivation, S.Forward, S.SendActivation))]
-        losses, *_ = self._run(program, micro, self.step_fn.begin(self.state).buffers, train=False)
-        vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], dtype=torch.float64,
-                           device=dist.device_of(None))
+        losses, *_ = self._run(program, micro, self.step_fn.begin(self.state, agrees=True).buffers, train=False)
+        vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0, float(fault_of(self.state) is not None)],
+                           dtype=torch.float64, device=dist.device_of(None))
         dist.all_reduce_sum(vec)
-        return torch.tensor(vec.item() / self.grid.replicas, dtype=torch.float32)
+        if vec[1].item():
+            refused_on_every_rank(self.state, "the pipeline's eval agreement")
+        return torch.tensor(vec[0].item() / self.grid.replicas, dtype=torch.float32)
 
     def _report_parts(self, metrics: dict, seconds: float) -> list[str]:
         return [f"{seconds * 1e3:.0f} ms"]

@@ -21,7 +21,7 @@ from dataclasses import replace
 from .. import dist
 from ..coordinator import Prefetch, prefetch_settings
 from ..optim.optimizers import Optimizer, apply_update
-from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement
+from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement, optimizer_slices
 from ..step import Step, expect_step, set_units
 from ..transform import Transform
 
@@ -72,10 +72,29 @@ def sharded_optimizer(optimizer) -> Optimizer:
         return optimizer.init(params.local())
 
     def update(grads, opt_state, params, **kw):
-        local, opt_state = apply_update(optimizer, grads.local(), opt_state, params.local(), **kw)
+        local = params.local()
+        try:
+            local, opt_state = apply_update(optimizer, grads.local(), opt_state, local, **kw)
+        except BaseException:
+            join_gathers(params)
+            raise
         return params.from_local(local), opt_state
 
     return Optimizer(init, update, fuses=True)
+
+
+def join_gathers(params) -> None:
+    """After this rank's update failed: the all-gathers ``from_local`` would have run, of whatever
+    the slices hold. The other ranks, whose updates went through, have started theirs; joining them
+    keeps every rank's collectives in step, so the next use reaches the agreement that refuses the
+    state on every rank (``Step._agree``) instead of hanging. The values gathered are never read:
+    the step marks this state failed as the error goes on."""
+    group = params.spec.process_group
+    if dist.world_size(group) == 1:
+        return
+    for t, held, place in zip(params.leaves_in_flight, params.spec.sharded, params.spec.placements):
+        if optimizer_slices(place, held) and not held:
+            dist.all_gather_inplace_start(t, group).wait()
 
 
 def _zero(step: Step, stage: int, group, **kw) -> Step:
