@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from .. import dist
 from ..coordinator import Prefetch, prefetch_settings
 from ..optim.optimizers import Optimizer, apply_update
 from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement, optimizer_slices
 from ..step import Step, expect_step, set_units
 from ..transform import Transform
+from ..tree import UpdateFailed
 
 
 class Zero(Transform):
@@ -72,29 +75,39 @@ def sharded_optimizer(optimizer) -> Optimizer:
         return optimizer.init(params.local())
 
     def update(grads, opt_state, params, **kw):
-        local = params.local()
+        agree = _gathers(params)
         try:
-            local, opt_state = apply_update(optimizer, grads.local(), opt_state, local, **kw)
+            local, opt_state = apply_update(optimizer, grads.local(), opt_state, params.local(), **kw)
         except BaseException:
-            join_gathers(params)
+            if agree:
+                _agree_on_update(params, failed=True)
             raise
+        if agree:
+            _agree_on_update(params, failed=False)
         return params.from_local(local), opt_state
 
     return Optimizer(init, update, fuses=True)
 
 
-def join_gathers(params) -> None:
-    """After this rank's update failed: the all-gathers ``from_local`` would have run, of whatever
-    the slices hold. The other ranks, whose updates went through, have started theirs; joining them
-    keeps every rank's collectives in step, so the next use reaches the agreement that refuses the
-    state on every rank (``Step._agree``) instead of hanging. The values gathered are never read:
-    the step marks this state failed as the error goes on."""
+def _gathers(params) -> bool:
+    """Whether the update ends in all-gathers (``from_local``: zero1/2's full parameters, W > 1)."""
+    return dist.world_size(params.spec.process_group) > 1 and any(
+        optimizer_slices(place, held) and not held for held, place in zip(params.spec.sharded, params.spec.placements))
+
+
+def _agree_on_update(params, *, failed: bool) -> None:
+    """Before the all-gathers of the updated slices: one all-reduce of whether this rank's update
+    failed. If any rank's did, no rank gathers (a rank whose update went through would otherwise
+    gather a failed rank's half-updated slice into its parameters, and wait on gathers that rank
+    never starts): each raises here, its own error on the failed rank, ``UpdateFailed`` on the
+    others, and the step refuses the state on every rank from then on (``Step._finish``)."""
     group = params.spec.process_group
-    if dist.world_size(group) == 1:
-        return
-    for t, held, place in zip(params.leaves_in_flight, params.spec.sharded, params.spec.placements):
-        if optimizer_slices(place, held) and not held:
-            dist.all_gather_inplace_start(t, group).wait()
+    flag = torch.tensor([float(failed)], dtype=torch.float64, device=dist.device_of(group))
+    dist.all_reduce_sum(flag, group)
+    if flag.item() and not failed:
+        raise UpdateFailed(
+            f"another rank's optimizer update failed ({int(flag.item())} of {dist.world_size(group)} ranks), so no "
+            "rank gathered the updated slices; that rank's error names the cause")
 
 
 def _zero(step: Step, stage: int, group, **kw) -> Step:
