@@ -342,20 +342,31 @@ LLAMA_KEYS = sorted(build("llama").state_dict())
        extra=st.sets(st.sampled_from(["unused", "model.layers.0.extra", "model.layers.9.mlp.up_proj.weight"])))
 def test_strict_false_reports_what_load_state_dict_reports(saved, tmp_path_factory, drop, extra):
     """Any tensors missing and any extra: ``strict=False`` warns with the counts and names, and the
-    warning's ``incompatible`` (``Weights.incompatible``) holds the keys ``load_state_dict(strict=False)``
-    returns for the same tensors."""
+    warning's ``incompatible`` and the state's ``loading_info`` hold the keys
+    ``load_state_dict(strict=False)`` returns for the same tensors."""
     src = saved("llama")
     path = _rewrite(src, tmp_path_factory.mktemp("part"),
                     lambda t: {**{k: v for k, v in t.items() if k not in drop}, **{k: torch.zeros(2) for k in extra}})
     with pytest.warns(WeightsMismatch) as caught:
-        got = zf.gather_params(_init("llama", path, strict=False))
+        state = _init("llama", path, strict=False)
+        got = zf.gather_params(state)
     [warning] = [w.message for w in caught if isinstance(w.message, WeightsMismatch)]
+    assert state.loading_info == warning.incompatible
     want = build("llama").load_state_dict(safetensors.load_file(os.path.join(path, "model.safetensors")), strict=False)
     assert sorted(warning.incompatible.missing_keys) == sorted(want.missing_keys) == sorted(drop)
     assert sorted(warning.incompatible.unexpected_keys) == sorted(want.unexpected_keys) == sorted(extra)
     assert f"{len(LLAMA_KEYS) - len(drop)} of the model's {len(LLAMA_KEYS)} tensors read; {len(drop)} missing" in str(warning)
     values = saved_values("llama")
     assert all(torch.equal(got[k], values[k]) for k in LLAMA_KEYS if k not in drop)
+
+
+def test_loading_info_is_on_the_state_init_returns(saved):
+    """Complete files: nothing missing, nothing unexpected; a state built without weights= and the
+    states later steps return carry no report."""
+    state = _init("llama", saved("llama"))
+    assert state.loading_info == ([], []) and state.loading_info.missing_keys == []
+    step = zf.train_step(lambda p, x: 0, zf.optim.adamw(LR))
+    assert step.init(build("llama")).loading_info is None
 
 
 @pytest.mark.parametrize("strict", [True, False])

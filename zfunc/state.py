@@ -23,7 +23,12 @@ class State:
     ``plan``: the static record of the step that made it (its composition
     and world size), checked when the state is passed to a step.
     ``loss_scale``: the fp16 loss scaler's state (``LossScaleState``), or None.
+    ``loading_info``: on the state ``step.init(..., weights=)`` returns, the model's tensors the
+    files lacked and the files' tensors the model has not (``missing_keys``, ``unexpected_keys``,
+    as ``load_state_dict`` returns them); None elsewhere. Not part of the pytree.
     """
+
+    loading_info = None  # a class attribute, not a field: set on init's state only
 
     params: Params
     opt_state: Any

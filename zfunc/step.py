@@ -248,8 +248,11 @@ class Step:
         if free_model:
             lazy.install_stand_ins(model, spec.canonical_name)
         scaler = self.loss_scaler
-        return State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan(),
-                     loss_scale=None if scaler is None else scaler.init())
+        state = State(params, opt_state, frozen_params, buffers, torch.zeros((), dtype=torch.int64), self.plan(),
+                      loss_scale=None if scaler is None else scaler.init())
+        if read is not None:
+            object.__setattr__(state, "loading_info", read.incompatible)
+        return state
 
     # ------------------------------------------------------------------ call
 
