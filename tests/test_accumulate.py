@@ -15,8 +15,8 @@ from workers import workers
 MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", ["gpt", "deep_mlp", "reusing", "checkpointed", "external"])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "deep_mlp", "reusing", "checkpointed", "external"])
 def test_equals_one_step_on_the_concatenation(name, world):
     """Also for units used several times a micro-batch (blocks applied thrice, a tied head),
     recomputed in backward (activation checkpointing), or read outside their module."""
@@ -132,6 +132,7 @@ def compositions(draw):
     }
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(compositions())
 def test_any_composition_matches_pytorch(c):

@@ -74,8 +74,8 @@ def _compiles_once(r: dict) -> None:
     assert r["graphs"][-1] == r["graphs"][0], f"new graphs after the first step: {r['graphs']}"
 
 
-@pytest.mark.parametrize("how", ["blocks", "fullgraph", "wrapped", "model", "jit", "regather"])
-@pytest.mark.parametrize("name", ["gpt", "checkpointed", "external"])
+@pytest.mark.parametrize("how", ["blocks", "fullgraph", "wrapped", "model", "jit", pytest.param("regather", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["gpt", pytest.param("checkpointed", marks=pytest.mark.slow), pytest.param("external", marks=pytest.mark.slow)])
 def test_each_way_of_compiling_equals_eager_and_pytorch(name, how):
     """A tied GPT (head read in the root), activation checkpointing inside and around blocks,
     weights read outside their module: zero3 at W = 2, each way of compiling."""
@@ -89,6 +89,7 @@ def test_each_way_of_compiling_equals_eager_and_pytorch(name, how):
         _compiles_once(r)
 
 
+@pytest.mark.slow
 @settings(max_examples=14, deadline=None, suppress_health_check=list(HealthCheck))
 @given(how=st.sampled_from(["blocks", "wrapped", "model", "jit", "regather"]), stage=st.sampled_from([0, 1, 2, 3]),
        composition=st.sampled_from(list(COMPOSITIONS)), world=st.sampled_from([1, 2, 3]),
@@ -118,7 +119,7 @@ def test_compiled_blocks_in_low_precision_match_pytorch(dtype):
         _check(r["params"], expected["params"], init, U[dtype], False)
 
 
-@pytest.mark.parametrize("how", ["blocks", "jit"])
+@pytest.mark.parametrize("how", ["blocks", pytest.param("jit", marks=pytest.mark.slow)])
 def test_inductor(how):
     """The default backend, generating C++ for the CPU: zero3 at W = 2 equals eager within
     inductor's reordering of float reductions (a few ulps a step, amplified by Adam's division
@@ -284,6 +285,7 @@ def saved_bytes_of_jit(regather: bool) -> dict:
     return {"saved": sum(saved), "params": zf.gather_params(state)}
 
 
+@pytest.mark.slow
 def test_jit_regather_keeps_shards_not_gathered_units():
     """zf.jit(..., regather=True): the all-gathers are done again in backward (SimpleFSDP's
     policy), so backward keeps only the state's shards and the activations, not the gathered

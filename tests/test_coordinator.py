@@ -116,8 +116,8 @@ def diverge(skip_of_rank: list, at_step: int, timeout: float) -> dict:
     return {"step": None}
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("at_step", [0, 1])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("at_step", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("how", ["same_count", "one_rank_skips"])
 def test_divergent_ranks_raise_on_every_rank_naming_the_units(world, at_step, how):
     """Ranks that run different blocks: every rank raises within the timeout, naming the first

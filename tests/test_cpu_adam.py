@@ -60,7 +60,7 @@ def _ours(params, grads, *, decoupled, wd, state_dtype=torch.float32, grad_scale
     return ps, ms, vs, lows
 
 
-@pytest.mark.parametrize("n", [1, 7, 4097, 2_500_003])
+@pytest.mark.parametrize("n", [1, 7, 4097, pytest.param(2_500_003, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_matches_float64_adam(n, decoupled, wd):
@@ -293,6 +293,7 @@ def _run_fallback(tmp_path, **env):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_missing_compiler_falls_back_and_says_so(tmp_path):
     res = _run_fallback(tmp_path, CXX="/nonexistent/g++")
     assert res["row"]["built"] is False
@@ -309,6 +310,7 @@ def test_disable_env_falls_back_quietly(tmp_path):
     assert res["err"] < 1e-6 and res["low_ok"], res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "none"])
 def test_portable_builds_match(isa):
     """The auto-vectorised (AVX2) and plain builds give the AVX-512 build's numbers."""

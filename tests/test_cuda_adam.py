@@ -21,7 +21,7 @@ from adam_reference import adam_f64, assert_within
 from zfunc.ops import adam, builder, cpu_adam, cuda_adam, torch_adam
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-BACKENDS = ["emulated", pytest.param("cuda", marks=needs_cuda)]
+BACKENDS = [pytest.param("emulated", marks=pytest.mark.slow), pytest.param("cuda", marks=needs_cuda)]  # the emulation is a native build
 LR, BETAS, EPS, STEPS = 1e-2, (0.9, 0.999), 1e-8, 10
 CHUNK = 1 << 16  # kChunk in csrc/adam/cuda_adam_kernel.cuh: elements per block
 
@@ -56,6 +56,7 @@ def _nvcc():
     return found
 
 
+@pytest.mark.slow
 def test_device_code_compiles_with_nvcc(tmp_path):
     """nvcc compiles cuda_adam.cu (every dtype instantiation) for sm_90, GPU or not,
     and the C++ compiler takes the op's binding."""

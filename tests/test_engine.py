@@ -268,6 +268,7 @@ def test_hugging_face_gpt2_through_the_engine_equals_plain_pytorch(stage):
         assert_close_to(got, {k: expected["params"][k] for k in got})
 
 
+@pytest.mark.slow
 def test_hf_example_saves_and_resumes(tmp_path):
     """examples/hf_gpt2.py: train, save, resume from the checkpoint (single process)."""
     import subprocess
@@ -283,6 +284,7 @@ def test_hf_example_saves_and_resumes(tmp_path):
     assert "resumed from" in second.stderr and "step 6:" in second.stderr
 
 
+@pytest.mark.slow
 def test_hf_example_under_torchrun_with_two_processes(tmp_path):
     """examples/hf_gpt2.py under torchrun --nproc_per_node 2: train, save, resume."""
     import subprocess

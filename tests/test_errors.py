@@ -259,7 +259,7 @@ def _last_rank_stops(rank: int, world: int, how: str, timeout: float):
     return None, "", time.monotonic() - start
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how, world):
     """The ranks that wait raise RankUnresponsiveError naming the missing rank as stuck or dead,

@@ -85,7 +85,7 @@ def test_transformers_model_matches_pytorch(kind, world):
             assert_close_to(got, expected)
 
 
-@pytest.mark.parametrize("compile", ["blocks", "jit"])
+@pytest.mark.parametrize("compile", ["blocks", pytest.param("jit", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_transformers_model_compiled_matches_pytorch(kind, compile):
     """Decoder layers compiled (with Hugging Face's activation checkpointing), or the step, under zero3 at W = 2."""
@@ -113,7 +113,7 @@ def run_regathered(kind: str, checkpointing: bool) -> dict:
     return {"params": zf.gather_params(state)}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_transformers_model_regathered_matches_pytorch(kind):
     """zf.jit(regather=True) re-gathers in backward through its own checkpoint. Hugging Face's
     checkpointing inside it stays in the program for Llama; GPT-2's is left to eager autograd,
@@ -130,6 +130,7 @@ def test_transformers_model_regathered_matches_pytorch(kind):
             assert "regather=True" in got["error"] and "gradient_checkpointing_enable" in got["error"], got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_transformers_model_offloaded_matches_pytorch(kind, tmp_path):
     """With activation checkpointing, under zero3(offload_nvme), zero2(offload_nvme(params=False))

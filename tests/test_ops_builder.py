@@ -160,6 +160,7 @@ def test_module_name_hashes_the_flags():
     assert a.startswith("zfunc_x_")
 
 
+@pytest.mark.slow
 def test_cli_prints_a_table():
     env = dict(os.environ, ZFUNC_OPS_DISABLE="aio_uring,aio_libaio,aio_threads")
     out = subprocess.run([sys.executable, "-m", "zfunc.ops", "--json"], env=env, cwd=ROOT,
@@ -188,6 +189,7 @@ print(json.dumps({"file": module.__file__, "ok": bool(torch.equal(dst, src))}))
 """
 
 
+@pytest.mark.slow
 def test_processes_building_at_once_share_one_build(tmp_path):
     """Ranks started together by torchrun each call load(): one compiles, the rest wait."""
     import time
@@ -206,6 +208,7 @@ def test_processes_building_at_once_share_one_build(tmp_path):
     assert len(list((tmp_path / "ext").rglob("*.so"))) == 1
 
 
+@pytest.mark.slow
 def test_a_build_killed_midway_does_not_hang_the_next(tmp_path):
     """torch's build lock is a plain file: a build killed while compiling leaves it behind
     and every later build of the op would wait for it forever. The next build removes it.

@@ -344,6 +344,7 @@ def test_pipeline_checkpoint_loads_at_another_pipeline_shape(stages, tmp_path):
         assert_close_to(dict(sorted(r["params"].items())), {k: v.detach() for k, v in sorted(expected.items())})
 
 
+@pytest.mark.slow
 def test_the_gpt_example_trains_as_a_pipeline_under_torchrun():
     """examples/train_gpt.py --pipeline 2 under torchrun --nproc_per_node 2 (the head tied to the embedding)."""
     import os
