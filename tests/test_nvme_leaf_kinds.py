@@ -5,6 +5,7 @@ plain PyTorch AdamW; frozen parameters live in swap files like the trainable one
 offloads every parameter), so eval steps, checkpoints and the engine read them from there, and
 ``state.close()`` removes them with the rest."""
 import copy
+import math
 import os
 import tempfile
 
@@ -18,7 +19,7 @@ from torch import nn
 import zfunc as zf
 from cases import micro_batches
 from models import LEAF_KINDS, LeafKindsLM
-from test_zero_equivalence import assert_close_to
+from test_zero_equivalence import RTOL, assert_close_to
 from workers import workers
 
 SWAP = tempfile.mkdtemp(prefix="zfunc-nvme-leaf-kinds-")
@@ -40,23 +41,87 @@ def _loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# How far two fp32 runs' gradients may differ by summation order (the global batch, or each rank's
+# and micro-batch's part averaged), relative to the largest mean magnitude of the examples'
+# gradients of the tensor: up to 27 over 60 drawn models at W = 1, 2, 3 with micro-batches of 1, 2
+ROUNDING = 128 * 2.0**-24
+
+
 def reference(model_kw: dict, steps: int, batch_size: int) -> dict:
-    """Plain PyTorch: torch.optim.AdamW on the global batch; the loss of each step, then an eval loss."""
+    """Plain PyTorch: torch.optim.AdamW on the global batch; the loss of each step, then an eval loss;
+    ``slack``: per element, how far rounding alone may move it (``adamw_slack``)."""
     model = _build(model_kw)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
-    losses = []
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(trainable.values(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, noise = [], {n: torch.zeros_like(p) for n, p in trainable.items()}
+    slack = {n: torch.zeros_like(p) for n, p in trainable.items()}
     for i in range(steps):
         x, y = _batch(model, i, batch_size)
+        for n, scale in _example_scale(model, trainable, x, y).items():
+            noise[n] = torch.maximum(noise[n], ROUNDING * scale.max() * (scale > 0))
         opt.zero_grad()
         value = _loss(model(x), y)
         value.backward()
         opt.step()
         losses.append(value.item())
+        for n, p in trainable.items():
+            slack[n] += adamw_slack(opt, p, noise[n])
     x, y = _batch(model, steps, batch_size)
     with torch.no_grad():
         eval_loss = _loss(model(x), y).item()
     return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses,
-            "eval_loss": eval_loss}
+            "eval_loss": eval_loss, "slack": slack}
+
+
+def _example_scale(model, trainable: dict, x, y) -> dict:
+    """Per element, the mean magnitude of the examples' gradients: the scale of the terms a
+    gradient sums (so of its rounding), and exactly 0 where no example has one (a token not in the
+    batch), which any order sums to exactly 0."""
+    scale = {n: torch.zeros_like(p) for n, p in trainable.items()}
+    for b in range(len(x)):
+        model.zero_grad()
+        _loss(model(x[b : b + 1]), y[b : b + 1]).backward()
+        for n, p in trainable.items():
+            scale[n] += p.grad.abs() / len(x)
+    return scale
+
+
+def adamw_slack(opt: torch.optim.AdamW, p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Per element, a bound on how much the step ``opt`` just took moves ``p`` differently when
+    each gradient so far is off by up to ``noise``. Adam's step is ``lr * m/(sqrt(v) + eps)``
+    (bias-corrected): ``m`` and ``sqrt(v)`` are weighted means (a mean, a root mean square) of the
+    gradients, so each moves by ``noise`` at most, and the step by ``lr * noise * (1 + reach) /
+    (sqrt(v) + eps)``, ``reach`` bounding ``|m|/sqrt(v)`` (Cauchy-Schwarz); never more than the
+    whole range of the step, ``2 * lr * reach``. Small wherever the gradient stands clear of the
+    rounding; where it is rounding (an element whose exact gradient is about zero: ``sqrt(v)``
+    near 0), Adam turns that rounding into a step of up to ``lr``, and the sign and size of that
+    step are rounding's, in the reference too."""
+    group, state = opt.param_groups[0], opt.state[p]
+    (b1, b2), eps, lr, t = group["betas"], group["eps"], group["lr"], int(state["step"])
+    w1 = [(1 - b1) * b1 ** (t - s) / (1 - b1**t) for s in range(1, t + 1)]
+    w2 = [(1 - b2) * b2 ** (t - s) / (1 - b2**t) for s in range(1, t + 1)]
+    reach = math.sqrt(sum(a * a / b for a, b in zip(w1, w2)))
+    rms = (state["exp_avg_sq"] / (1 - b2**t)).sqrt()
+    return lr * torch.clamp(noise * (1 + reach) / (rms + eps), max=2 * reach)
+
+
+def assert_close_to_adamw(got: dict, expected: dict):
+    """``assert_close_to`` (fp32 equivalence) of ``got`` with a ``reference`` run, each element
+    also allowed its ``slack``. Where that reaches a step of Adam's (``LR``), the element's update
+    is rounding's and the comparison says nothing: at most 1 % of the elements may be such (else
+    this model or data needs changing)."""
+    scale = max(v.abs().max().item() for v in expected["params"].values())
+    slack = expected["slack"]
+    rounding = sum(int((s >= LR).sum()) for s in slack.values())
+    total = sum(s.numel() for s in slack.values())
+    assert rounding <= total / 100, f"Adam's step is rounding's at {rounding} of {total} elements"
+    within = {}
+    for k, g in got.items():
+        e = expected["params"].get(k)
+        if k in slack and e is not None and g.shape == e.shape:
+            g = torch.where((g - e).abs() <= slack[k] + RTOL * (e.abs() + scale), e, g)
+        within[k] = g
+    assert_close_to(within, expected["params"])
 
 
 def _compose(base, stage: int, offload: dict | None, threshold: int, micro: int | None, under: bool,
@@ -114,6 +179,9 @@ kinds = st.lists(st.sampled_from(LEAF_KINDS), unique=True).map(tuple)
        world=st.sampled_from([1, 2, 3]), stage=st.sampled_from([0, 1, 2, 3]), params=st.booleans(),
        optimizer=st.booleans(), micro=st.sampled_from([None, 2]), under=st.booleans(),
        threshold=st.sampled_from([0, 100]))
+# blocks.0.proj.weight[5, 5]'s first gradient is -3e-10 (fp64): rounding sets Adam's first step there
+@example(root=("frozen", "buffer"), child=LEAF_KINDS, nested=LEAF_KINDS, all_frozen=[], world=2, stage=0,
+         params=False, optimizer=False, micro=None, under=False, threshold=0)
 @example(root=("tied", "frozen", "buffer"), child=(), nested=(), all_frozen=[], world=2, stage=3, params=True,
          optimizer=True, micro=None, under=False, threshold=0)
 @example(root=LEAF_KINDS, child=LEAF_KINDS, nested=LEAF_KINDS, all_frozen=["nested"], world=3, stage=3,
@@ -126,7 +194,7 @@ def test_every_leaf_kind_in_every_position_equals_plain_pytorch(root, child, nes
     expected = reference(model_kw, steps=2, batch_size=2 * world)
     offload = {"params": params, "optimizer": optimizer, "sub_group_size": 150}
     for r in workers(world).run(leaf_run, model_kw, stage, offload, threshold, micro, under):
-        assert_close_to(r["params"], expected["params"])
+        assert_close_to_adamw(r["params"], expected)
         assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
         # frozen parameters live where their unit's placement says: in swap files with params=True
@@ -253,7 +321,7 @@ def test_checkpoints_save_and_load_frozen_parameters_in_swap_files(tmp_path):
         for r in workers(world).run(checkpoint_run, str(tmp_path), False):
             assert r["frozen_on_disk"]
             zf.testing.assert_trees_all_equal(r["loaded"], saved)
-            assert_close_to(r["params"], expected["params"])
+            assert_close_to_adamw(r["params"], expected)
             assert r["loss"] == pytest.approx(expected["losses"][1], rel=1e-5)
 
 
@@ -289,6 +357,6 @@ def test_engine_with_offload_param_nvme_trains_frozen_models(offload_optimizer, 
     expected = reference({}, steps=2, batch_size=4)
     for r in workers(2).run(engine_run, offload_optimizer, gas):
         assert r["frozen_on_disk"]
-        assert_close_to(r["params"], expected["params"])
+        assert_close_to_adamw(r["params"], expected)
         assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
         assert r["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
