@@ -191,3 +191,21 @@ def test_a_failed_init_across_ranks_leaves_the_swap_path_as_it_was(tmp_path, cau
     messages = workers(2).run(fail_on_every_rank, cause, "zero3 params", path, str(tmp_path / "scratch"))
     assert all(__import__("re").search(EXPECTED[cause], m) for m in messages), messages
     assert _snapshot(tmp_path / "root") == before
+
+
+@pytest.mark.parametrize("first_to_close", [0, 1])
+def test_the_last_rank_to_close_removes_what_another_made(tmp_path, first_to_close):
+    """Rank 0 makes the missing ``a/b`` before rank 1 looks: whichever closes last removes it, and a
+    folder the user made stays (the race a failed init across ranks ran into)."""
+    import shutil
+
+    from zfunc import swap
+
+    (tmp_path / "user").mkdir()
+    path = tmp_path / "user" / "a" / "b"
+    states = [swap._fresh_folder(str(path / f"rank{r}")) for r in range(2)]
+    for r in (first_to_close, 1 - first_to_close):
+        shutil.rmtree(states[r])
+        swap._remove_made(str(path / f"rank{r}"))
+        assert path.exists() == (r == first_to_close)
+    assert os.listdir(tmp_path) == ["user"] and os.listdir(tmp_path / "user") == []

@@ -24,7 +24,7 @@ A failed write during an update leaves some units updated and others not: the
 store then refuses every later use, saying so, rather than train on a mix. A
 failure before the update (reading parameters, writing gradients) changes
 nothing the state keeps, so the same state can step again once the cause is
-fixed. ``close()`` removes the folder, and the folders above it that the store made where
+fixed. ``close()`` removes the folder, and the folders above it that a store made (each marked ``.zfunc-made``) where
 they are empty; so does interpreter exit, and so does a ``Step.init`` that raises.
 
 Where compute runs on an accelerator (``Device``), a unit read into a pool buffer
@@ -345,12 +345,12 @@ class SwapStore:
         self._idle: list[aio.AsyncIO] = []
         self.writer = self._handle()  # gradient writes during backward
         rank_dir = os.path.join(os.path.abspath(os.fspath(root)), f"rank{dist.rank()}")
-        self.made = _missing_folders(rank_dir)  # close() removes these if they are empty then
+        self.rank_dir = rank_dir
         try:
             self.dir = _fresh_folder(rank_dir)
         except OSError as e:
             self.writer.close()
-            _remove_empty(self.made)
+            _remove_made(rank_dir)
             raise OSError(e.errno, f"offload_nvme: cannot make the swap folder under '{rank_dir}': "
                                    f"{e.strerror}; pass a path= on a writable disk", rank_dir) from None
         self.key = self.dir
@@ -722,20 +722,25 @@ class SwapStore:
         self.staging = [torch.empty(0, dtype=torch.uint8)] * 2
         _open.pop(self.key, None)
         shutil.rmtree(self.dir, ignore_errors=True)
-        _remove_empty(self.made)  # the folders above it that this store made, unless another state uses them
+        _remove_made(self.rank_dir)  # the folders above it that a store made, unless another state uses them
+
+
+_MADE = ".zfunc-made"  # in each folder above a state's that a store made: whichever rank closes last removes it
 
 
 def _fresh_folder(rank_dir: str) -> str:
-    """A new ``state-XXXXXX`` folder under ``rank_dir``, made with its parents; tried again if
-    another rank's store removed an empty parent in between (``_remove_empty``)."""
-    for _ in range(2):
+    """A new ``state-XXXXXX`` folder under ``rank_dir``, made with its parents, each parent it
+    made marked; tried again if another rank's store removed an empty parent in between."""
+    for attempt in range(3):
+        made = _missing_folders(rank_dir)
         try:
             os.makedirs(rank_dir, exist_ok=True)
+            for folder in made:
+                open(os.path.join(folder, _MADE), "a").close()
             return tempfile.mkdtemp(prefix="state-", dir=rank_dir)
         except FileNotFoundError:
-            pass
-    os.makedirs(rank_dir, exist_ok=True)
-    return tempfile.mkdtemp(prefix="state-", dir=rank_dir)
+            if attempt == 2:
+                raise
 
 
 def _missing_folders(path: str) -> list[str]:
@@ -748,14 +753,24 @@ def _missing_folders(path: str) -> list[str]:
     return out
 
 
-def _remove_empty(folders: list[str]) -> None:
-    """Remove ``folders`` (deepest first) where they are empty: one another state (or rank) put
-    files in stays."""
-    for folder in folders:
+def _remove_made(folder: str) -> None:
+    """Remove ``folder`` and the folders above it while each holds nothing but the mark a store
+    left when it made it: one another state or rank still uses stays, and so does every folder the
+    user made. Any rank may remove what another made (the last to close does), so the path is
+    left as it was whichever rank made its folders."""
+    while True:
         try:
+            if os.listdir(folder) != [_MADE]:
+                return
+            os.remove(os.path.join(folder, _MADE))
             os.rmdir(folder)
-        except OSError:
+        except OSError:  # another rank removed it first, or put something in: left to it
+            if os.path.exists(folder):
+                return
+        parent = os.path.dirname(folder)
+        if parent == folder:
             return
+        folder = parent
 
 
 @atexit.register
