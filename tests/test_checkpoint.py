@@ -144,7 +144,8 @@ def _gpt_zero3():
 
 
 @pytest.mark.parametrize("tag,kill", [("second", ("write", 2)), ("first", ("rename", 3)),
-                                      ("first", ("rename", 4)), ("first", ("rename", 5))])
+                                      pytest.param("first", ("rename", 4), marks=pytest.mark.slow),
+                                      pytest.param("first", ("rename", 5), marks=pytest.mark.slow)])
 def test_a_save_killed_midway_leaves_a_checkpoint_that_loads(tag, kill, tmp_path):
     """SIGKILL in a save (a new tag, or the tag of the previous save): ``latest`` and the tag still load,
     the previous checkpoint or the new one."""

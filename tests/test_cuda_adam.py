@@ -274,6 +274,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beside_real_kernel", [False, True])
 def test_native_checks_raise_in_a_process_of_their_own(beside_real_kernel):
     """The kernel's own checks (its last line, behind ``check_lists``) raise RuntimeError: run

@@ -289,6 +289,7 @@ def compiled_at_two(directory: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks(tmp_path):
     directory = str(tmp_path / "ckpt")
     results = workers(2).run(compiled_at_two, directory)

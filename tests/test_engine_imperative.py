@@ -206,6 +206,7 @@ def held_between_steps(steps: int) -> dict:
     return seen
 
 
+@pytest.mark.slow
 def test_nothing_is_held_across_calls():
     """No pass stays open once its backward ran, its output is gone, or the step is made; a forward
     under no_grad opens none; no materialization outlives its step (memory does not creep)."""

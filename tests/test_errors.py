@@ -260,7 +260,7 @@ def _last_rank_stops(rank: int, world: int, how: str, timeout: float):
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("how", ["stopped", "killed"])
+@pytest.mark.parametrize("how", [pytest.param("stopped", marks=pytest.mark.slow), "killed"])
 def test_a_rank_that_stops_or_dies_is_named_within_the_timeout(how, world):
     """The ranks that wait raise RankUnresponsiveError naming the missing rank as stuck or dead,
     within the collective timeout (a killed rank at once: its connections reset), not a

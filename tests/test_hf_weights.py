@@ -179,8 +179,8 @@ CASES = [  # (model, W, composition): every composition once, every model once, 
 ]
 
 
-@pytest.mark.parametrize("kind,world,how", CASES, ids=[f"{k}-W{w}-{'-'.join(map(str, h.values()))}"
-                                                       for k, w, h in CASES])
+@pytest.mark.parametrize("kind,world,how", [pytest.param(*c, marks=pytest.mark.slow) if c[1] == 3 else c for c in CASES],
+                         ids=[f"{k}-W{w}-{'-'.join(map(str, h.values()))}" for k, w, h in CASES])
 def test_loaded_state_is_the_checkpoint_and_steps_like_pytorch(kind, world, how, saved, tmp_path):
     """The state read from the files equals the saved model bit for bit (parameters and buffers,
     tied ones once), one step equals plain PyTorch on it; under zero3 every byte of the files is
@@ -563,6 +563,7 @@ def build_medium(device: str) -> nn.Module:
         return transformers.LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow
 def test_loading_a_larger_model_holds_about_a_unit(saved, tmp_path):
     """A 31.6M-parameter Llama (121 MiB in fp32) read under zero3(offload_nvme) at W = 1 in a fresh
     process: peak RSS above the baseline stays under 4 of its largest unit (11 MiB) plus 24 MiB and

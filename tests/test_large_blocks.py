@@ -83,6 +83,7 @@ def test_ops_that_allocate_raw_scratch_work_and_agree():
     assert ours == plain.stdout
 
 
+@pytest.mark.slow
 def test_a_forked_child_can_allocate():
     run_fresh("""
         import os, threading

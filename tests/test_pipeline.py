@@ -189,7 +189,7 @@ def test_three_stages_equal_the_unpipelined_model(schedule):
     assert max(r["times"]["schedule_window"][0] for r in results) < min(r["times"]["schedule_window"][1] for r in results)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_two_stages_by_two_replicas_with_zero_inside_each_stage(stage):
     """P = 2 x DP = 2 on W = 4: zero1/zero2 inside each stage's data-parallel group."""
     results = workers(4).run(run_pipeline, 2, 3, 3, "1f1b", stage)
@@ -360,7 +360,7 @@ def test_the_gpt_example_trains_as_a_pipeline_under_torchrun():
     assert "2 pipeline stages x 1 data-parallel replica(s)" in proc.stdout
 
 
-@pytest.mark.parametrize("how", ["config", "engine"])
+@pytest.mark.parametrize("how", [pytest.param("config", marks=pytest.mark.slow), "engine"])
 def test_compiled_layers_train_as_the_eager_pipeline(how):
     """Each stage's layers compiled (the config's compile section, or engine.compile()): the
     unpipelined model's numbers, tied embedding and head across stages included."""

@@ -50,7 +50,7 @@ def _check(got: dict, ref: dict, init: dict, u: float, sgd: bool):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_matches_pytorch_mixed_precision(name, world, dtype):
     kw = MODELS[name]

@@ -178,6 +178,7 @@ def test_every_adam_kernel_updates_only_what_got_a_gradient(kernel, monkeypatch)
     assert (len(calls) > 0) == (kernel == "cuda_adam.emulated")
 
 
+@pytest.mark.slow
 def test_the_compiled_step_equals_torch_or_refuses_to_guess():
     """zf.jit: which parameters got a gradient comes out of the compiled program (its probes). Past
     a graph break (``sometimes`` branches on its batch) a parameter not read this step cannot be
