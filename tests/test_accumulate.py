@@ -28,7 +28,7 @@ def test_equals_one_step_on_the_concatenation(name, world):
             assert [h["loss"] for h in r["history"]] == pytest.approx(expected["losses"], rel=1e-5)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_gradient_bytes_stay_sharded(stage, world):
     """fp32 accumulators in the gradients' home form: a shard under zero2/3, whole under 0/1."""

@@ -77,6 +77,7 @@ def test_save_at_two_load_at_one_and_three_trains_on_exactly(name, composition, 
             assert_close_to(r["params"], expected["params"])
 
 
+@pytest.mark.slow
 def test_consolidated_file_loads_into_a_fresh_model_with_the_same_outputs(tmp_path):
     directory = str(tmp_path)
     [r, _] = workers(2).run(train_then_save, "gpt", {"stage": 3}, 2, directory)

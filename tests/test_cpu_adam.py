@@ -303,6 +303,7 @@ def test_missing_compiler_falls_back_and_says_so(tmp_path):
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
 
 
+@pytest.mark.slow
 def test_disable_env_falls_back_quietly(tmp_path):
     res = _run_fallback(tmp_path, ZFUNC_OPS_DISABLE="aio,cpu_adam")
     assert res["row"]["built"] is False and "ZFUNC_OPS_DISABLE" in res["row"]["reason"]

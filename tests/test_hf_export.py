@@ -284,6 +284,7 @@ CLI = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_cli_exports_a_checkpoint_holding_one_unit_not_the_model(tmp_path):
     """``python -m zfunc.checkpoint export-hf`` in a fresh process, on a 21.2M-parameter Llama (85 MB in
     fp32; 12 layers of 7.1 MB and a 0.8 MB root unit): the peak RSS rises by less than four layers, a

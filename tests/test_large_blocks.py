@@ -29,6 +29,7 @@ def run_fresh(code: str, **env) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_a_freed_block_is_reused_by_the_next_request_of_its_size():
     run_fresh("""
         a = torch.ones(1 << 20)  # 4 MiB
@@ -104,6 +105,7 @@ def test_a_forked_child_can_allocate():
     """)
 
 
+@pytest.mark.slow
 def test_switched_off_by_the_environment():
     out = subprocess.run([sys.executable, "-c", "from zfunc.ops import large_blocks as lb; print(lb.install())"],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "ZFUNC_CPU_ALLOCATOR": "0"})

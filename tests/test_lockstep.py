@@ -149,7 +149,7 @@ def test_three_ranks_one_departs_after_recording(tmp_path):
     assert_never_mismatched(results)
 
 
-@pytest.mark.parametrize("transform", ["zero3", "zero2"])
+@pytest.mark.parametrize("transform", [pytest.param("zero3", marks=pytest.mark.slow), "zero2"])
 def test_a_change_every_rank_makes_goes_on_checked(transform, tmp_path):
     """All ranks skip the same block after recording: they agree they left the trace alike, go on
     checking each collective, and the step completes; every collective matched."""

@@ -5,6 +5,7 @@ figures), and under offload_cpu's, which keeps the whole optimizer state in RAM.
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,6 +80,7 @@ def host_memory_run(offload: str, path: str) -> dict:
                 "nvme": metrics.get("nvme")}
 
 
+@pytest.mark.slow
 def test_host_memory_is_the_pool_staging_and_two_units_not_the_model():
     with tempfile.TemporaryDirectory() as path, fresh_workers(1) as group:
         [nvme] = group.run(host_memory_run, "nvme", path)  # first, in the fresh process

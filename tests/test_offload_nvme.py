@@ -282,6 +282,7 @@ def test_states_own_fresh_folders_and_close_removes_them(tmp_path):
     assert not os.path.exists(db)
 
 
+@pytest.mark.slow
 def test_files_are_removed_at_interpreter_exit(tmp_path):
     code = (
         "import torch, zfunc as zf\n"

@@ -159,7 +159,7 @@ def _emulated_cuda_kernel(calls: list):
     return update
 
 
-@pytest.mark.parametrize("kernel", ["cpu_adam", "cuda_adam.emulated", "torch"])
+@pytest.mark.parametrize("kernel", ["cpu_adam", pytest.param("cuda_adam.emulated", marks=pytest.mark.slow), "torch"])  # the emulation is a native build
 def test_every_adam_kernel_updates_only_what_got_a_gradient(kernel, monkeypatch):
     """The update narrows each unit's leaf to what got a gradient: the fused CPU kernel, the CUDA
     kernel (its CPU emulation) and torch's fused Adam each equal torch.optim (W = 1, zero3)."""
