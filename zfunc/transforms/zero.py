@@ -90,9 +90,13 @@ def sharded_optimizer(optimizer) -> Optimizer:
 
 
 def _gathers(params) -> bool:
-    """Whether the update ends in all-gathers (``from_local``: zero1/2's full parameters, W > 1)."""
-    return dist.world_size(params.spec.process_group) > 1 and any(
-        optimizer_slices(place, held) and not held for held, place in zip(params.spec.sharded, params.spec.placements))
+    """Whether the update ends in all-gathers (``from_local``: zero1/2's full parameters, W > 1) of
+    slices some of which a host or disk update writes (offload_cpu, offload_nvme): an update that can
+    fail partway on one rank. A device-only update is not agreed on, so a GPU step keeps its gathers
+    free of a host sync; a rank whose device update raises is named by the collective timeout."""
+    places = params.spec.placements
+    return (dist.world_size(params.spec.process_group) > 1 and any(p.opt_home != DEVICE for p in places)
+            and any(optimizer_slices(place, held) and not held for held, place in zip(params.spec.sharded, places)))
 
 
 def _agree_on_update(params, *, failed: bool) -> None:
