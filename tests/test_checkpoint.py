@@ -62,7 +62,7 @@ def load_then_train(name: str, how: dict, start: int, steps: int, directory: str
 
 
 @pytest.mark.parametrize("composition", list(COMPOSITIONS))
-@pytest.mark.parametrize("name", ["gpt", "odd_mlp"])
+@pytest.mark.parametrize("name", ["gpt", pytest.param("odd_mlp", marks=pytest.mark.slow)])
 def test_save_at_two_load_at_one_and_three_trains_on_exactly(name, composition, tmp_path):
     how = COMPOSITIONS[composition]
     expected = reference(name, {}, steps=5, batch_size=GLOBAL_BATCH)

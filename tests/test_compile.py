@@ -74,7 +74,7 @@ def _compiles_once(r: dict) -> None:
     assert r["graphs"][-1] == r["graphs"][0], f"new graphs after the first step: {r['graphs']}"
 
 
-@pytest.mark.parametrize("how", ["blocks", "fullgraph", "wrapped", "model", "jit", pytest.param("regather", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["blocks", pytest.param("fullgraph", marks=pytest.mark.slow), pytest.param("wrapped", marks=pytest.mark.slow), "model", "jit", pytest.param("regather", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["gpt", pytest.param("checkpointed", marks=pytest.mark.slow), pytest.param("external", marks=pytest.mark.slow)])
 def test_each_way_of_compiling_equals_eager_and_pytorch(name, how):
     """A tied GPT (head read in the root), activation checkpointing inside and around blocks,
@@ -254,7 +254,7 @@ def _skipping_run(how: str | None, meta: bool) -> dict:
 
 
 @pytest.mark.filterwarnings("ignore::zfunc.GraphBreakWarning")
-@pytest.mark.parametrize("meta", [False, True])
+@pytest.mark.parametrize("meta", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize("how", ["blocks", "model", "jit"])
 def test_blocks_skipped_by_control_flow_and_meta_init_compiled(how, meta):
     """A skipped block gets no update, compiled or not; a meta-device model compiles as a built one."""

@@ -179,7 +179,7 @@ CASES = [  # (model, W, composition): every composition once, every model once, 
 ]
 
 
-@pytest.mark.parametrize("kind,world,how", [pytest.param(*c, marks=pytest.mark.slow) if c[1] == 3 else c for c in CASES],
+@pytest.mark.parametrize("kind,world,how", [pytest.param(*c, marks=pytest.mark.slow) if c[1] == 3 or "compile" in c[2] else c for c in CASES],
                          ids=[f"{k}-W{w}-{'-'.join(map(str, h.values()))}" for k, w, h in CASES])
 def test_loaded_state_is_the_checkpoint_and_steps_like_pytorch(kind, world, how, saved, tmp_path):
     """The state read from the files equals the saved model bit for bit (parameters and buffers,

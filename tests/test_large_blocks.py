@@ -65,6 +65,7 @@ def test_cache_never_holds_more_than_the_peak_of_live_blocks():
     """)
 
 
+@pytest.mark.slow
 def test_ops_that_allocate_raw_scratch_work_and_agree():
     """gelu, matmul and conv (oneDNN scratch goes through raw_allocate/raw_deallocate)
     give the same values as under torch's allocator in another process."""

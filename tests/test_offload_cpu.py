@@ -33,7 +33,7 @@ def _same(a: dict, b: dict) -> None:
     assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["gpt", "deep_mlp", "checkpointed", "external"])
 def test_equals_plain_pytorch(name, world):
     """fp32, relative 1e-5, for zero1/2/3(offload_cpu(f)) and offload_cpu(f) alone."""

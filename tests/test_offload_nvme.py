@@ -42,7 +42,7 @@ def _left_behind() -> list[str]:
 COMPOSITIONS = [(0, True), (1, False), (2, False), (3, True)]  # (stage, parameters on NVMe)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["gpt", "deep_mlp", "checkpointed", "external"])
 def test_equals_plain_pytorch(name, world):
     """fp32, relative 1e-5: zero3(offload_nvme(f)), zero1/2(offload_nvme(f, params=False)),
