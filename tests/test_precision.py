@@ -165,7 +165,8 @@ HF_LR = 0.05
 
 
 def _hf(kind: str):
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the test extra
+
     torch.manual_seed(0)
     cfg = transformers.AutoConfig.for_model(kind, **HF_SMALL)
     cfg.use_cache = False

@@ -138,13 +138,9 @@ def whole(value, who: str, name: str, *, least: int = 0, unit: str = "bytes") ->
     a bool, a fraction, NaN, an infinity or a smaller number raise, naming the argument."""
     if value is None:
         return None
-    out = None
-    if isinstance(value, bool):
-        pass
-    elif isinstance(value, numbers.Integral):
-        out = int(value)
-    elif isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
-        out = int(value)
+    integral = not isinstance(value, bool) and (isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer()))
+    out = int(value) if integral else None
     if out is None or out < least:
         what = f"a positive number of {unit}" if least == 1 else f"a number of {unit} >= {least}"
         raise ValueError(f"{who}: {name} must be {what}, a whole one (an int, or a float with no fractional part "
