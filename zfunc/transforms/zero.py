@@ -91,11 +91,13 @@ def sharded_optimizer(optimizer) -> Optimizer:
 
 def _gathers(params) -> bool:
     """Whether the update ends in all-gathers (``from_local``: zero1/2's full parameters, W > 1) of
-    slices some of which a host or disk update writes (offload_cpu, offload_nvme): an update that can
-    fail partway on one rank. A device-only update is not agreed on, so a GPU step keeps its gathers
-    free of a host sync; a rank whose device update raises is named by the collective timeout."""
-    places = params.spec.placements
-    return (dist.world_size(params.spec.process_group) > 1 and any(p.opt_home != DEVICE for p in places)
+    slices some of which the host writes (offload_cpu, offload_nvme, or any update on a CPU device):
+    an update that can fail partway on one rank, where agreeing costs no extra wait. An update on a
+    GPU alone is not agreed on, so its gathers keep free of a host sync; a rank whose GPU update
+    raises is named by the collective timeout."""
+    group, places = params.spec.process_group, params.spec.placements
+    on_host = dist.compute_device(group).type == "cpu" or any(p.opt_home != DEVICE for p in places)
+    return (dist.world_size(group) > 1 and on_host
             and any(optimizer_slices(place, held) and not held for held, place in zip(params.spec.sharded, places)))
 
 
