@@ -26,8 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-CUDA_TESTS = ["tests/test_gpu.py", "tests/test_offload_cpu.py", "tests/test_offload_nvme.py", "tests/test_optim.py",
-              "tests/test_errors.py", "tests/test_ops_builder.py", "tests/test_cuda_adam.py"]
+CUDA_TESTS = ["tests/core/test_gpu.py", "tests/transforms/offload/test_cpu_offload.py", "tests/transforms/offload/test_nvme_offload.py", "tests/optim/test_optim.py",
+              "tests/core/test_errors.py", "tests/ops/test_ops_builder.py", "tests/ops/test_cuda_adam.py"]
 
 SECTIONS = {
     "env": ([PY, "-c", "import sys, torch; print(sys.version); print('torch', torch.__version__, torch.version.cuda);"

@@ -161,7 +161,7 @@ def build(peer, model, a):
         def train(micro):
             nonlocal state
             state, metrics = step(state, micro if a.accumulate > 1 else micro[0])
-            if "offload" in metrics:  # the step's roofline (zfunc.offload_plan.roofline)
+            if "offload" in metrics:  # the step's roofline (zfunc.transforms.offload.plan.roofline)
                 ROOFLINES.append(metrics["offload"])
             return metrics["loss"]
         train.settle = lambda: state.params.leaves  # the last update, if it runs behind (reading waits)
@@ -480,8 +480,8 @@ def main(a):
         try:
             if a.mode == "nvme":
                 print(f"swap files under {a.swap_root}: {shutil.disk_usage(a.swap_root).free / 2**30:.0f} GiB free", flush=True)
-                read, write = zf.rates.measure_disk(a.swap_root, refresh=True)  # cached: the peers' roofline reads it
-                print(f"the disk under them (zfunc.rates.measure_disk, 256 MiB, O_DIRECT): read {read / 1e9:.2f} GB/s, "
+                read, write = zfunc.transforms.offload.rates.measure_disk(a.swap_root, refresh=True)  # cached: the peers' roofline reads it
+                print(f"the disk under them (zfunc.transforms.offload.rates.measure_disk, 256 MiB, O_DIRECT): read {read / 1e9:.2f} GB/s, "
                       f"write {write / 1e9:.2f} GB/s", flush=True)
             for peer in a.peers:
                 rows.append(run_peer(peer, a, tmp))

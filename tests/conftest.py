@@ -3,7 +3,14 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The shared harness (tests/harness: workers, cases, models, the Adam reference, the memory reader)
+# and every test folder go on the path, so a test imports a helper or another test's function by
+# its module name, and the worker processes (which start with this path) find them too.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _folder, _dirs, _files in sorted(os.walk(_HERE), reverse=True):
+    if "__pycache__" not in _folder:
+        sys.path.insert(0, _folder)
+sys.path.insert(0, os.path.join(_HERE, "harness"))
 
 from workers import close_all  # noqa: E402
 

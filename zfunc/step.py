@@ -45,7 +45,7 @@ from .transform import Transform, Units
 from .traced import Jit
 from .tree import Fault, Params, ParamsSpec, build_spec
 from .unit_init import unit_buffers
-from .weights import Weights
+from .weights.pretrained import Weights
 
 
 @dataclass(frozen=True)

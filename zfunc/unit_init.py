@@ -14,7 +14,7 @@ A module's own initialization is, in this order of precedence:
 
 - ``init_fn(module)`` if the user gave one;
 - under a Hugging Face ``PreTrainedModel``: transformers' own, as the model built
-  normally gets it in ``post_init`` (zfunc.hf_init: the nearest ``PreTrainedModel``'s
+  normally gets it in ``post_init`` (zfunc.weights.hf_init: the nearest ``PreTrainedModel``'s
   ``_init_weights`` over the module and those above it, children first), which computes
   buffers too (rotary ``inv_freq``, ``embed_scale``); a tensor the files hold is flagged
   loaded and left, as ``from_pretrained`` leaves it. A tensor ``_init_weights`` does not
@@ -34,7 +34,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from . import buffers, compiled, hf_init
+from . import buffers, compiled
+from .weights import hf_init
 from .tree import ModelSpec, flatten_segment
 
 
@@ -241,7 +242,7 @@ class _Init:
 
 def _constructor_values(module: nn.Module, made: list[_Made], way: str) -> str:
     """Where ``_init_weights`` left a tensor unset, what the module's constructor gave it before
-    ``post_init`` (zfunc.hf_init.constructor_init), the others kept."""
+    ``post_init`` (zfunc.weights.hf_init.constructor_init), the others kept."""
     if not any(m.unset() for m in made):
         return way
     keep = [(m, m.now().clone()) for m in made if not m.unset()]

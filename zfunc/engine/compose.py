@@ -20,8 +20,8 @@ from .. import compiled, optim
 from ..transforms.accumulate import accumulate
 from .config import OffloadParamConfig
 from ..transforms.loss_scale import LossScaler
-from ..transforms.offload_cpu import offload_cpu
-from ..transforms.offload_nvme import offload_nvme
+from ..transforms.offload.cpu import offload_cpu
+from ..transforms.offload.nvme import offload_nvme
 from ..transforms.precision import mixed_precision
 from ..step import EvalStep, Step
 from ..transforms.jit import jit

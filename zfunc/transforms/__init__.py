@@ -4,9 +4,9 @@ core and know nothing of the engines."""
 from .accumulate import accumulate
 from .jit import jit
 from .loss_scale import LossScaler
-from .offload_cpu import offload_cpu
-from .offload_nvme import offload_nvme
-from .planning import plan_offload
+from .offload.cpu import offload_cpu
+from .offload.nvme import offload_nvme
+from .offload.planning import plan_offload
 from .precision import mixed_precision
 from .zero import zero1, zero2, zero3
 

@@ -2,7 +2,7 @@
 
 Autograd would leave a unit's gradient for ``torch.autograd.grad`` to return; a step that
 sums micro-batches (zfunc.transforms.accumulate, the engines) or sends gradients off the device
-(zfunc.transforms.offload_cpu, zfunc.transforms.offload_nvme) gives the step's ``Tracker`` a sink instead
+(zfunc.transforms.offload.cpu, zfunc.transforms.offload.nvme) gives the step's ``Tracker`` a sink instead
 (``tracker.sink``, zfunc.materialize), which calls
 
 * ``takes_parts(unit)``: whether the sink takes the unit's per-parameter gradients
