@@ -1,5 +1,6 @@
-"""Every relative link in README.md and docs/*.md points at a file that exists, and every
-#anchor at a heading of that file (GitHub's slugs). Run: python docs/check_links.py"""
+"""Every relative link in README.md and the Markdown files under docs/ (docs/records/ too) points at
+a file that exists, and every #anchor at a heading of that file (GitHub's slugs).
+Run: python docs/check_links.py"""
 import pathlib
 import re
 import sys
@@ -21,7 +22,7 @@ def anchors(path: pathlib.Path) -> set[str]:
 
 def main() -> int:
     bad = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
         for target in LINK.findall(text):
             if re.match(r"[a-z]+://|mailto:", target):

@@ -150,7 +150,7 @@ def _nbytes(tree) -> int:
 
 
 def memory_report(state: State) -> dict:
-    """Bytes this rank holds for each part of the model state (ZeRO memory: docs/benchmarks.md),
+    """Bytes this rank holds for each part of the model state (ZeRO memory: docs/records/benchmarks.md),
     and, under ``"by_home"``, the same bytes split by where they live: ``"device"``
     (accelerator memory; on a CPU-only machine, RAM), ``"pinned"`` (page-locked
     host memory), ``"host"`` (other host memory, when an accelerator holds the rest),

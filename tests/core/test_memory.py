@@ -1,4 +1,4 @@
-"""Per-rank memory: model-state bytes follow the ZeRO formulas (docs/benchmarks.md, memory in units of Ψ); a step's objects go when it returns; a long run holds flat memory."""
+"""Per-rank memory: model-state bytes follow the ZeRO formulas (docs/records/benchmarks.md, memory in units of Ψ); a step's objects go when it returns; a long run holds flat memory."""
 import os
 
 import pytest
