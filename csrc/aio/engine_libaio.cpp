@@ -6,17 +6,16 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <deque>
 #include <string>
 #include <system_error>
 #include <vector>
 
-#include "aio/aio.h"
+#include "aio/kernel_engine.h"
 
 namespace zfaio {
 namespace {
 
-class LibaioEngine final : public Engine {
+class LibaioEngine final : public KernelEngine {
  public:
   explicit LibaioEngine(int depth) : iocbs_(depth), events_(depth) {
     int r = io_setup(depth, &ctx_);
@@ -70,24 +69,8 @@ class LibaioEngine final : public Engine {
     staged_.clear();
   }
 
-  int reap(int min_complete, Block** out, int max) override {
-    int n = 0;
-    while (n < max && !ready_.empty()) {
-      out[n++] = ready_.front();
-      ready_.pop_front();
-    }
-    int need = min_complete - n;
-    if (need > in_kernel_) need = in_kernel_;
-    if (need > 0) harvest(need);
-    while (n < max && !ready_.empty()) {
-      out[n++] = ready_.front();
-      ready_.pop_front();
-    }
-    return n;
-  }
-
  private:
-  void harvest(int need) {
+  void harvest(int need) override {
     for (;;) {
       int r = io_getevents(ctx_, need, static_cast<long>(events_.size()), events_.data(), nullptr);
       if (r == -EINTR) continue;
@@ -111,8 +94,6 @@ class LibaioEngine final : public Engine {
   std::vector<iocb> iocbs_;
   std::vector<io_event> events_;
   std::vector<iocb*> free_, staged_;
-  std::deque<Block*> ready_;
-  int in_kernel_ = 0;
 };
 
 }  // namespace

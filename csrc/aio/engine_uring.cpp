@@ -5,17 +5,16 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <deque>
 #include <string>
 #include <system_error>
 #include <vector>
 
-#include "aio/aio.h"
+#include "aio/kernel_engine.h"
 
 namespace zfaio {
 namespace {
 
-class UringEngine final : public Engine {
+class UringEngine final : public KernelEngine {
  public:
   explicit UringEngine(int depth) {
     // Plain flags: SINGLE_ISSUER|DEFER_TASKRUN measured no faster here.
@@ -68,27 +67,11 @@ class UringEngine final : public Engine {
     }
   }
 
-  int reap(int min_complete, Block** out, int max) override {
-    int n = 0;
-    while (n < max && !ready_.empty()) {
-      out[n++] = ready_.front();
-      ready_.pop_front();
-    }
-    int need = min_complete - n;
-    if (need > in_kernel_) need = in_kernel_;
-    if (need > 0) harvest(need);
-    while (n < max && !ready_.empty()) {
-      out[n++] = ready_.front();
-      ready_.pop_front();
-    }
-    return n;
-  }
-
   bool poisoned() const override { return poisoned_; }
 
  private:
   // Wait for at least `need` completions and move every available one to ready_.
-  void harvest(int need) {
+  void harvest(int need) override {
     io_uring_cqe* cqe = nullptr;
     for (;;) {
       int r = io_uring_wait_cqe_nr(&ring_, &cqe, static_cast<unsigned>(need));
@@ -115,8 +98,6 @@ class UringEngine final : public Engine {
 
   io_uring ring_{};
   std::vector<Block*> in_sq_;  // prepared, not yet consumed by the kernel (FIFO)
-  std::deque<Block*> ready_;   // finished (or refused), not yet reaped
-  int in_kernel_ = 0;
   bool poisoned_ = false;
 };
 
