@@ -269,18 +269,15 @@ def test_one_unit_in_memory_at_a_time(tmp_path, monkeypatch):
 CLI = textwrap.dedent("""
     import runpy, sys
     import zfunc
+    from zfunc.testing import memory
 
-    def rss(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-    base = rss("VmRSS")
+    base = memory.rss()
     sys.argv = ["python -m zfunc.checkpoint"] + sys.argv[1:]
     try:
         runpy.run_module("zfunc.checkpoint", run_name="__main__", alter_sys=True)  # what python -m runs
     except SystemExit as e:
         assert not e.code, e.code
-    print(rss("VmHWM") - base)
+    print(memory.peak() - base)
 """)
 
 

@@ -1,9 +1,8 @@
 """Per-rank memory: model-state bytes follow the ZeRO formulas (docs/records/benchmarks.md, memory in units of Ψ); a step's objects go when it returns; a long run holds flat memory."""
-import os
-
 import pytest
 import torch
 
+from zfunc.testing import memory
 from cases import meta_init_peak, run_zfunc
 from workers import fresh_workers, workers
 
@@ -129,8 +128,7 @@ def soak(mode: str, warmup: int, window: int, windows: int, measure: str, width:
 
     def rss() -> int:
         gc.collect()
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return memory.rss()
 
     def census() -> collections.Counter:
         gc.collect()

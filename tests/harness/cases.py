@@ -8,6 +8,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import zfunc as zf
+from zfunc.testing import memory
 from models import batch, build, local, loss
 
 LR = 1e-3
@@ -214,54 +215,25 @@ def run_research_step(name: str, kw: dict, steps: int = 3, per_rank: int = 2, se
 
 
 def meta_init_peak(units: int, width: int) -> dict:
-    """Bytes of RSS above the pre-model baseline at the peak of a zero3 meta-device init.
-
-    The peak is the kernel's high-water mark of this process's memory (VmHWM),
-    reset just before init; ``ru_maxrss`` would not do, since it carries the
-    parent's size across fork and exec.
-    """
-    import os
+    """Bytes of RSS above the pre-model baseline at the peak of a zero3 meta-device init
+    (the high-water mark, reset just before init: zfunc.testing.memory)."""
 
     class Wide(nn.Module):
         def __init__(self, n):
             super().__init__()
             self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     step = zf.zero3(zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1)))
     with torch.device("meta"):
         step.init(Wide(2))  # loads the code paths once
-    before = rss()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
+    before = memory.rss()
+    memory.reset_peak()
     with torch.device("meta"):
         model = Wide(units)
     state = step.init(model)
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    peak = hwm - before
+    peak = memory.peak() - before
     full = sum(u.trainable.padded for u in state.params.spec.model.units) * 4
     return {"peak": peak, "full": full, "held": state.params.nbytes(), "unit": 4 * (width * width + width)}
-
-
-def _rss() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def zero3_step_peak(blocks: int, width: int, steps: int, large_blocks: bool) -> dict:
@@ -289,11 +261,11 @@ def zero3_step_peak(blocks: int, width: int, steps: int, large_blocks: bool) -> 
     step = zf.zero3(zf.train_step(lambda p, b: zf.apply(model, p, b).square().mean(), zf.optim.adamw(1e-3)))
     state = step.init(model)
     g = torch.Generator().manual_seed(zf.dist.rank())
-    after_init = _rss()
-    _reset_peak()
+    after_init = memory.rss()
+    memory.reset_peak()
     for _ in range(steps):
         state, _m = step(state, torch.randn(4, width, generator=g))
-    return {"peak": _peak() - after_init, "resident": _rss() - after_init, "state": state.params.nbytes(),
+    return {"peak": memory.peak() - after_init, "resident": memory.rss() - after_init, "state": state.params.nbytes(),
             "unit": 4 * (width * width + width), "large_blocks": zf.ops.large_blocks.installed()}
 
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import zfunc as zf
+from zfunc.testing import memory
 from zfunc.weights.pretrained import WeightsMismatch
 from test_zero_equivalence import assert_close_to
 from workers import fresh_workers, workers
@@ -537,18 +538,16 @@ def load_peak(path: str, warm: str) -> dict:
     """Peak RSS above the baseline while a meta-built Llama is read from ``path`` under
     zero3(offload_nvme) at W = 1 (VmHWM, reset just before init; a fresh process). The tiny
     model at ``warm`` is read first, the same way, so the code and native ops are loaded."""
-    from cases import _peak, _reset_peak, _rss
-
     def nvme(model, weights, swap):
         step = zf.zero3(zf.offload_nvme(zf.train_step(lambda p, x: 0, zf.optim.adamw(LR)), swap))
         return step.init(model, weights=weights)
 
     nvme(build("llama", "meta"), warm, path + "-warm").close()
     model = build_medium("meta")
-    before = _rss()
-    _reset_peak()
+    before = memory.rss()
+    memory.reset_peak()
     state = nvme(model, path, path + "-swap")
-    peak = _peak() - before
+    peak = memory.peak() - before
     units = [u.trainable.numel for u in state.params.spec.model.units]
     state.close()
     return {"peak": peak, "fp32": 4 * sum(units), "unit": 4 * max(units)}

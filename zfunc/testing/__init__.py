@@ -5,6 +5,9 @@ Every assertion raises ``AssertionError`` naming the path of each offending leaf
 elements and the largest absolute and relative differences. Trees are flattened
 under zfunc's optree namespace, so zfunc's own nodes (sharded parameter sets,
 training states) are seen through. Tensors on any device are compared on CPU.
+
+``zfunc.testing.memory`` reads a process's memory as the tests and the benchmarks
+measure it: resident now, the peak since a reset, the CUDA allocator's peak.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
+from zfunc.testing import memory
 from workers import fresh_workers
 
 VOCAB, WIDTH, LAYERS, SEQ = 2048, 256, 24, 16
@@ -42,11 +43,6 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-
-
 def host_memory_run(offload: str, path: str) -> dict:
     """In a fresh process: a warm-up on a small model (every code path loaded once), then the peak
     RSS above the RSS after it while a GPT built on the meta device is initialized and trained 2
@@ -68,13 +64,12 @@ def host_memory_run(offload: str, path: str) -> dict:
     with torch.device("meta"):
         running[0] = GPT(VOCAB, WIDTH, LAYERS)
     zf.buffers.trim()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    before = _status("VmRSS")
+    memory.reset_peak()
+    before = memory.rss()
     with step.init(running[0]) as state:
         for _ in range(2):
             state, metrics = step(state, batch)
-        peak = _status("VmHWM") - before
+        peak = memory.peak() - before
         return {"peak": peak, "swap_buffer_bytes": zf.memory_report(state)["swap_buffer_bytes"],
                 "units": [(u.name, u.trainable.padded) for u in state.params.spec.model.units],
                 "nvme": metrics.get("nvme")}

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import zfunc as zf
+from zfunc.testing import memory
 from cases import reference, run_composed
 from models import build
 from test_cpu_offload import KW, _same
@@ -151,16 +152,6 @@ class Wide(nn.Module):
         return x
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
 def bounded_run(path: str, depths: tuple[int, ...], micro: int | None = None) -> list[dict]:
     """Models built on the meta device whose model states are many times the swap buffers,
     each trained 2 steps under zero3(offload_nvme) (with ``micro`` micro-batches: accumulating
@@ -183,9 +174,8 @@ def bounded_run(path: str, depths: tuple[int, ...], micro: int | None = None) ->
     for depth in depths:
         with torch.device("meta"):
             running[0] = Wide(depth=depth)
-        before = _rss()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := current RSS
+        before = memory.rss()
+        memory.reset_peak()
         with step.init(running[0]) as state:
             files = {}
             for i in range(2):
@@ -195,7 +185,7 @@ def bounded_run(path: str, depths: tuple[int, ...], micro: int | None = None) ->
                              for n in os.listdir(state.opt_state.store.dir)}
             report = zf.memory_report(state)
             folder = state.opt_state.store.dir
-        out.append({"peak": _hwm() - before, "report": report, "files": files, "metrics": metrics,
+        out.append({"peak": memory.peak() - before, "report": report, "files": files, "metrics": metrics,
                     "gone": not os.path.exists(folder), "unit": unit, "units": depth})
     return out
 
