@@ -38,7 +38,7 @@ from . import compiled, coordinator as coordination, dist, layout, lazy, swap
 from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .ops import cpu_adam
-from .optim.optimizers import GradInfo, apply_update
+from .optim.base import GradInfo, apply_update
 from .placement import Placement
 from .state import State, check_usable, fault_of, mark_failed, refused_on_every_rank, share_fault
 from .transform import Transform, Units

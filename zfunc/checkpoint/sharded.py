@@ -58,7 +58,7 @@ from .. import dist, layout, swap
 from .files import (DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, free_space_error, read_json,
     write_json)
 from .hf_export import export_saved
-from ..optim.optimizers import is_count
+from ..optim.counts import is_count
 from ..pytree import NAMESPACE, tree_unflatten
 from ..state import INNER, check_usable, wrapper_role
 from ..tree import ModelSpec, Params

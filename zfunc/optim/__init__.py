@@ -1,10 +1,15 @@
-"""Optimizers as pure ``(init, update)`` pairs over pytrees, optax-style, and learning-rate
-schedules (``zfunc.optim.lr``). Part of the core: steps and transforms stand on it."""
+"""Optimizers as pure ``(init, update)`` pairs over pytrees, optax-style. Part of the core: steps
+and transforms stand on it.
+
+``base``: the protocols and ``apply_update``; ``combine``: ``chain`` and clipping; ``optimizers``:
+adamw, adam, sgd; ``counts``: their update counts and which parts an update touches; ``lr``: the
+learning-rate schedules."""
 from . import lr
+from .base import EmptyState, GradInfo, GradientTransformation, Optimizer, PyTree, apply_update
+from .combine import chain, clip_by_global_norm
 from .lr import (ScalarOrSchedule, Schedule, as_schedule, constant, cosine_decay, linear_schedule, linear_warmup,
                  warmup_cosine_decay, warmup_cosine_lr, warmup_decay_lr, warmup_lr)
-from .optimizers import (AdamState, EmptyState, GradInfo, GradientTransformation, Optimizer, PyTree, SgdState, adam,
-                         adamw, apply_update, chain, clip_by_global_norm, sgd)
+from .optimizers import AdamState, SgdState, adam, adamw, sgd
 
 __all__ = [
     "AdamState", "EmptyState", "GradInfo", "GradientTransformation", "Optimizer", "PyTree", "ScalarOrSchedule",

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from .loss_scale import LossScaler, as_scaler
-from ..optim.optimizers import Optimizer, apply_update
+from ..optim.base import Optimizer, apply_update
 from ..placement import Placement
 from ..pytree import tree_map
 from ..step import Step, expect_step

@@ -22,7 +22,7 @@ import torch
 
 from .. import dist
 from ..coordinator import Prefetch, prefetch_settings
-from ..optim.optimizers import Optimizer, apply_update
+from ..optim.base import Optimizer, apply_update
 from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement, optimizer_slices
 from ..step import Step, expect_step, set_units
 from ..transform import Transform

@@ -231,7 +231,7 @@ def test_the_split_update_keeps_device_units_in_place_and_copies_the_rest(monkey
     """The GPU path of a split update, on the CPU: host units get host copies at init (in the
     stored dtype), their gradients go home and their updated parameters come back; kept units are
     updated in place, nothing of theirs copied; the result equals the unsplit update."""
-    from zfunc.optim.optimizers import GradInfo
+    from zfunc.optim.base import GradInfo
     from zfunc.transforms.offload.cpu import host_optimizer
     from zfunc.transforms.precision import master_weights
 

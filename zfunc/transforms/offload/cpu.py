@@ -43,7 +43,7 @@ from .plan import (OffloadPlan, as_plan, check_host_memory, host_state_bytes, on
     plan_for_ratio, rank_units, roofline, whole)
 from .rates import Rates
 from .rates import measure as measure_rates
-from ...optim.optimizers import Optimizer, apply_update, state_bytes_per_element
+from ...optim.base import Optimizer, apply_update, state_bytes_per_element
 from ...placement import CPU, DEVICE, Placement, compute_device
 from ...pytree import NAMESPACE, tree_leaves, tree_map
 from .host_update import UnitUpdates, Uploads

@@ -3,7 +3,7 @@
 Exactness forces only this much to be serial: every gradient reduced, and the ranks agreed on
 the global norm and on inf/NaN (clipping, the loss scale, and zfunc's refusal to update on a
 non-finite gradient all need it). After that nothing can change a unit's update, so
-``offload_cpu`` hands the optimizer a ``schedule`` (zfunc.optim.optimizers: each leaf's
+``offload_cpu`` hands the optimizer a ``schedule`` (zfunc.optim.base: each leaf's
 arithmetic deferred, its bookkeeping done at once) and ``UnitUpdates.start`` runs each unit's
 share on one worker thread, in the order the next forward uses the units, each unit's upload to
 the device right after its update. The step returns at once. Each unit's parameters and

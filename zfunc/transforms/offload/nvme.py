@@ -71,7 +71,8 @@ from .plan import (OffloadPlan, as_plan, check_host_memory, disk_roofline, host_
     plan_for_host_budget, rank_units, whole)
 from .rates import cached_disk
 from ...ops import cpu_adam
-from ...optim.optimizers import GradInfo, Optimizer, apply_update, is_count, state_bytes_per_element
+from ...optim.base import GradInfo, Optimizer, apply_update, state_bytes_per_element
+from ...optim.counts import is_count
 from ...placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
 from ...pytree import NAMESPACE, register_node
 from ..sinks import GradOffHome, with_grad_sink
