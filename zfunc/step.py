@@ -11,7 +11,7 @@ recorded outermost first. Its three parts:
   wrap it with ``wrap_grad``), then one small all-reduce on which every rank
   agrees on the loss, which units anyone used, whether any gradient is
   non-finite and the global gradient norm (the one read of the gradients
-  before the update);
+  before the update: zfunc.agreement);
 * the update part: the optimizer, wrapped by the transforms'
   ``wrap_optimizer`` (zero1/2/3 update this rank's slice; mixed precision
   updates fp32 master weights), told what the step knows (``GradInfo``: the
@@ -34,13 +34,13 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from . import compiled, coordinator as coordination, dist, layout, lazy, swap
+from . import compiled, coordinator as coordination, dist, layout, lazy
+from .agreement import Agreement, agree, agree_at_entry, same_order, summed, sure_live
 from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
-from .ops import cpu_adam
-from .optim.base import GradInfo, apply_update
+from .optim.optimizers import GradInfo, apply_update
 from .placement import Placement
-from .state import State, check_usable, fault_of, mark_failed, refused_on_every_rank, share_fault
+from .state import State, fault_of, mark_failed, share_fault
 from .transform import Transform, Units
 from .traced import Jit
 from .tree import Fault, Params, ParamsSpec, build_spec
@@ -258,12 +258,12 @@ class Step:
 
     def _check(self, state: State, *, entry: bool = False, agrees: bool = False) -> None:
         """Refuse a state this step cannot use. ``entry``: at a step's start, where a state on disk
-        first agrees whether any rank's is refused (``_agree_at_entry``). ``agrees``: the caller's
+        first agrees whether any rank's is refused (``agree_at_entry``). ``agrees``: the caller's
         own agreement refuses a failed state (``Step.begin``)."""
         if not isinstance(state, State):
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
         if entry:
-            self._agree_at_entry(state)
+            agree_at_entry(state, self.group, self.coordinator().settings.timeout_s)
         for t in self.transforms:
             t.check_state(state)
         fault = fault_of(state)
@@ -280,24 +280,6 @@ class Step:
                 f"{self.plan().describe()}: build the state with this step's init"
             )
 
-    def _agree_at_entry(self, state: State) -> None:
-        """For a state on disk (``offload_nvme``) at W > 1: one all-reduce, before any other
-        collective of the step, of whether this rank's state is refused; if any rank's is, the step
-        raises on every rank. Elsewhere a rank whose update failed runs the forward on what the
-        update left, to reach the step's own agreement (``_agree``); a failed swap store reads and
-        writes nothing more, so that rank could not, and the others would wait in the forward's
-        gathers until the collective timeout. A rank that already agreed raises in ``_check``, as
-        every rank then does, without a collective."""
-        if state.params.spec.swap is None or dist.world_size(self.group) == 1:
-            return
-        fault = fault_of(state)
-        if fault is not None and fault.agreed:
-            return
-        if swap.open_store(state) is None:
-            swap.check_state(state)  # closed by the program (on every rank): says so
-        with dist.deadline(self.coordinator().settings.timeout_s, self.group):
-            check_usable(state, collective=True, group=self.group, wait=False)
-
     def _buffers(self, state: State) -> dict:
         """Fresh buffers for this step: rank 0's, as DDP broadcasts them before each forward."""
         buffers = {k: v.clone() for k, v in state.buffers.items()}
@@ -313,7 +295,7 @@ class Step:
         scale = None if scaler is None else float(state.loss_scale.scale)
         with self.continuing() as coordinator:
             out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=started.buffers, scale=scale)
-            agreed = self._agree(out, coordinator.order_hash(), state)
+            agreed = agree(out, coordinator.order_hash(), state, self.group, self.transforms)
         return self._finish(state, out, agreed, started)
 
     # ------------------------------------------------------- a step in parts
@@ -347,7 +329,7 @@ class Step:
                 coordinator.diverged(self.group, cause=e)
 
     def apply_gradients(self, state: State, out: GradOut, started: "Started | None" = None, *,
-                        agreement: "Agreement | None" = None) -> tuple[State, dict]:
+                        agreement: Agreement | None = None) -> tuple[State, dict]:
         """The update: end a step with the gradients the caller took (``out``, in their home form;
         ``out.grad_scale`` makes them true), as ``__call__`` does after its gradient part.
 
@@ -358,10 +340,10 @@ class Step:
         self._check(state)
         if agreement is None:
             with self.continuing() as coordinator:
-                agreement = self._agree(out, coordinator.order_hash(), state)
+                agreement = agree(out, coordinator.order_hash(), state, self.group, self.transforms)
         return self._finish(state, out, agreement, started)
 
-    def _finish(self, state: State, out: GradOut, agreed: "Agreement", started: "Started | None"
+    def _finish(self, state: State, out: GradOut, agreed: Agreement, started: "Started | None"
                 ) -> tuple[State, dict]:
         """Everything after the agreement: metrics, the loss scale, a skipped or applied update."""
         if not agreed.same_order:
@@ -411,109 +393,6 @@ class Step:
         share_fault(state, new, getattr(params, "fault", None))  # a failure yet to come refuses both
         return new, metrics
 
-    def _agree(self, out: GradOut, order: int = 0, state: State | None = None) -> "Agreement":
-        """One all-reduce for what every rank must agree on after backward.
-
-        First, whether some rank's ``state`` is refused (an update that failed: ``fault_of``); if so,
-        the step raises on every rank, and every rank's state refuses from then on.
-
-        Which units some rank used (a unit no rank used gets no update, as
-        ``torch.optim`` skips a parameter without ``.grad``) and which of their
-        parameters some rank gave a gradient (``out.live``; one that none did gets
-        no update either, though its unit's gradient holds zeros for it), whether
-        any gradient is non-finite and the global squared norm (one read of each
-        gradient, ``nonfinite_and_sq_norm``, unless a transform measured it,
-        ``Transform.grad_stats``; a shard counts on every rank, a whole
-        gradient, the same on every rank, on rank 0 only), the loss, and
-        whether every rank materialized units in the same order (``order``,
-        the coordinator's fingerprint of it).
-        """
-        group = self.group
-        loss, grads = out.loss, out.grads
-        leaves = grads.leaves
-        w, r = dist.world_size(group), dist.rank(group)
-        used = [float(g is not None) for g in leaves]
-        flags = live_flags(grads, out.live)
-        bad, sq = [], [0.0, 0.0]
-        for g, shard in zip(leaves, grads.spec.sharded):
-            if g is None or g.numel() == 0:
-                bad.append(0.0)
-                continue
-            stats = next((s for t in self.transforms if (s := t.grad_stats(g)) is not None), None)
-            sq_g, finite = stats if stats is not None else cpu_adam.nonfinite_and_sq_norm([g])
-            bad.append(float(not finite))
-            if shard:
-                sq[0] += sq_g
-            elif r == 0:
-                sq[1] += sq_g
-        failed = state is not None and fault_of(state) is not None
-        vec = torch.tensor([float(loss), *used, *bad, float(order), float(order) ** 2, *flags, *sq, float(failed)],
-                           dtype=torch.float64, device=dist.device_of(group))
-        dist.all_reduce_sum(vec, group)
-        vec = vec.cpu()
-        if vec[-1].item():
-            refused_on_every_rank(state, "its step's agreement")
-        vec = vec[:-1]
-        k = len(leaves)
-        same_order = _same_order(vec[1 + 2 * k].item(), vec[2 + 2 * k].item(), w)
-        if not same_order:  # the caller names where the orders differ
-            return Agreement(torch.tensor(vec[0].item() / w, dtype=torch.float32), [], 0.0, False)
-        names = [u.name or "<root>" for u in grads.spec.model.units]
-        counts = vec[1 : 1 + k].tolist()
-        partial = [(n, int(c)) for n, c in zip(names, counts) if 0 < c < w]
-        if partial:
-            name, c = partial[0]
-            raise RuntimeError(
-                f"ranks ran different units this step: unit {name!r} was used on {c} of {w} ranks. Every rank "
-                "must run the same units (control flow that skips a block must skip it on every rank)"
-            )
-        nonfinite = [f"unit {n!r}" for n, b in zip(names, vec[1 + k : 1 + 2 * k].tolist()) if b]
-        return Agreement(torch.tensor(vec[0].item() / w, dtype=torch.float32), nonfinite, float(vec[-2] + vec[-1]),
-                         True, agreed_live(grads, vec[3 + 2 * k : 3 + 2 * k + len(flags)].tolist()))
-
-
-def live_flags(grads: Params, live: dict | None) -> list[float]:
-    """For each parameter of each unit (in order), 1.0 where it got a gradient on this rank: where
-    ``live`` (``GradOut.live``) says True, or, where it is not known, every one of a unit with a
-    gradient; then, for each, 1.0 where zf.jit cannot tell (``live`` says None). Summed over
-    ranks, ``agreed_live`` reads them back."""
-    got, unsure = [], []
-    for i, g in enumerate(grads.leaves):
-        n = len(grads.spec.segment(i).entries)
-        flags = (False,) * n if g is None else (True,) * n if live is None or i not in live else live[i]
-        got += [float(f is True) for f in flags]
-        unsure += [float(f is None) for f in flags]
-    return got + unsure
-
-
-def agreed_live(grads: Params, summed: list[float]) -> tuple[tuple[bool | None, ...], ...]:
-    """``live_flags`` summed over ranks, per unit: whether each parameter got a gradient on some
-    rank (as under DDP, whose all-reduced gradient exists where any rank made one); None where
-    none says it did and some rank cannot tell (``sure_live`` refuses to guess)."""
-    half = len(summed) // 2
-    out, at = [], 0
-    for i in range(len(grads.spec.sharded)):
-        n = len(grads.spec.segment(i).entries)
-        out.append(tuple(True if g else None if u else False
-                         for g, u in zip(summed[at : at + n], summed[half + at : half + at + n])))
-        at += n
-    return tuple(out)
-
-
-def sure_live(live, spec) -> tuple[tuple[bool, ...], ...] | None:
-    """``live`` (``agreed_live``), where no parameter is left unsure; else the error naming one."""
-    for i, got in enumerate(live or ()):
-        for entry, g in zip(spec.segment(i).entries, got):
-            if g is None:
-                raise compiled.CompileError(
-                    f"zf.jit cannot tell whether parameter {entry.name!r} got a gradient this step: the step's "
-                    "program has graph breaks, and a compiled graph's backward gets zeros, not None, for what it "
-                    "output that got no gradient, so a parameter read only after a break, and not this step, "
-                    "looks like one whose gradient is exactly zero (torch.optim skips the first and updates the "
-                    "second). Remove the graph breaks (torch._dynamo.explain names them), or compile the blocks "
-                    "instead of the step (zf.compile_units); the state was not updated")
-    return live
-
 
 @compiled.eager
 def _run_jitted(step: Step, state: State, batch):
@@ -542,23 +421,6 @@ def _cast(params: Params, dtypes) -> Params:
     """``params`` with each leaf in its dtype (``None``: as it is)."""
     leaves = [t if d is None or t.dtype == d else t.to(d) for t, d in zip(params.leaves, dtypes)]
     return Params(params.spec, leaves)
-
-
-class Agreement(NamedTuple):
-    """What every rank agreed on after backward (``Step.apply_gradients``)."""
-
-    loss: torch.Tensor  # mean over ranks of each rank's loss
-    nonfinite: list[str]  # where some rank has an inf/NaN gradient ("unit 'name'")
-    sq_norm: float  # squared global norm of the gradients (as computed, before any scale)
-    same_order: bool = True  # every rank materialized the same units in the same order
-    # per unit, which parameters got a gradient on some rank (None: zf.jit cannot tell; ``agreed_live``)
-    live: tuple[tuple[bool | None, ...], ...] | None = None
-
-
-def _same_order(h_sum: float, h2_sum: float, w: int) -> bool:
-    """Whether every rank's order fingerprint h was the same, from the sums of h and h^2
-    (Cauchy-Schwarz: equal iff W * sum(h^2) == sum(h)^2; exact in float64 for 20-bit h)."""
-    return w * h2_sum == h_sum * h_sum
 
 
 class EvalStep(Step):
@@ -592,15 +454,12 @@ class EvalStep(Step):
                 losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
                 auxes.append(out[1] if self.has_aux else None)
             h = float(coordinator.order_hash())
-            vec = torch.tensor([torch.stack(losses).mean().item(), h, h * h, float(fault_of(state) is not None)],
-                               dtype=torch.float64, device=dist.device_of(self.group))
-            dist.all_reduce_sum(vec, self.group)
-            if vec[3].item():
-                refused_on_every_rank(state, "its eval step's agreement")
+            vec = summed([torch.stack(losses).mean().item(), h, h * h], state, self.group,
+                         "its eval step's agreement")
         w = dist.world_size(self.group)
-        if not _same_order(vec[1].item(), vec[2].item(), w):
+        if not same_order(vec[1], vec[2], w):
             coordinator.diverged(self.group)
-        metrics = {"loss": torch.tensor(vec[0].item() / w, dtype=torch.float32),
+        metrics = {"loss": torch.tensor(vec[0] / w, dtype=torch.float32),
                    "prefetch": coordination.merge(passes)}
         if self.has_aux:
             metrics["aux"] = auxes if several else auxes[0]

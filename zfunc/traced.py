@@ -25,7 +25,7 @@ parameters got one (``GradOut.live``), as the eager step's ``None`` gradients do
 break that is not exact: a compiled graph's backward gets zeros for outputs that got no gradient,
 so it marks a parameter read only after the break. There a marked parameter whose gradient is
 nonzero on some rank got one; one whose gradient is zero everywhere might not have, and the step
-refuses to guess (``zfunc.step.sure_live``).
+refuses to guess (``zfunc.agreement.sure_live``).
 Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
 host copies) are not tensors of a program: such a step raises ``CompileError``.
 """

@@ -380,7 +380,7 @@ class Params:
 
         For a step's forward: where the update that writes the unit failed, ``wait`` returns all the
         same (the values are what the update left), so that every rank reaches the step's agreement,
-        which refuses the state on all of them (``Step._agree``)."""
+        which refuses the state on all of them (``zfunc.agreement.agree``)."""
         return self._leaves[unit], lambda: self._wait(unit, refused_later=True)
 
     def _wait(self, unit: int, refused_later: bool = False) -> None:

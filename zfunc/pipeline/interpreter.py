@@ -11,7 +11,7 @@ and each unit's gradient goes to a ``GradSink`` (zfunc.transforms.sinks) that su
 micro-batches in fp32 and reduces over the data-parallel group in the last one.
 Then tied modules' gradients are summed over the stages that own them, one
 all-reduce over the world agrees on the loss, non-finite gradients and the
-global norm (a tied module counted once), and the stage's step updates its part
+global norm (a tied module counted once; zfunc.agreement), and the stage's step updates its part
 with ``1/micro_batches`` folded into the scale, as ``accumulate`` does.
 """
 from __future__ import annotations
@@ -23,16 +23,15 @@ from typing import Iterator
 import torch
 
 from .. import checkpoint, dist, lazy
+from ..agreement import Agreement, agreed_live, grad_stats, live_flags, summed
 from . import schedules as S
 from ..engine.compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
 from ..grad import GradOut, apply, grad_spec, materialized, scalar_loss
 from ..engine.loop import Loop
 from ..transforms.sinks import GradSink
-from ..ops import cpu_adam
 from .link import ACT, GRAD, Link
 from .module import PipelineModule, make_grid
-from ..state import fault_of, refused_on_every_rank
-from ..step import Agreement, agreed_live, live_flags, train_step
+from ..step import train_step
 from ..tree import Params
 
 def _input_grads(xs) -> tuple:
@@ -222,27 +221,12 @@ class PipelineEngine(Loop):
         that failed there: every stage raises, ``refused_on_every_rank``). The stage's step takes
         it as agreed (``Step.apply_gradients``)."""
         grid = self.grid
-        sq_shard = sq_whole = bad = 0.0
-        for i, (g, shard) in enumerate(zip(grads.leaves, grads.spec.sharded)):
-            if g is None or g.numel() == 0:
-                continue
-            sq, finite = cpu_adam.nonfinite_and_sq_norm([g])
-            bad += float(not finite)
-            if i in self.counted_elsewhere:
-                continue
-            if shard:
-                sq_shard += sq
-            elif grid.replica == 0:
-                sq_whole += sq
+        bad, sq_shard, sq_whole = grad_stats(grads, self.step_fn.transforms, whole_here=grid.replica == 0,
+                                             norm_elsewhere=self.counted_elsewhere)
         loss = float(torch.stack(losses).mean()) if losses else 0.0
-        failed = float(fault_of(self.state) is not None)
-        vec = torch.tensor([loss, sq_shard, sq_whole, bad, failed], dtype=torch.float64, device=dist.device_of(None))
-        dist.all_reduce_sum(vec)
-        if vec[4].item():
-            refused_on_every_rank(self.state, "the pipeline's agreement")
-        nonfinite = [f"stage {grid.stage} or another"] if vec[3].item() else []
-        return Agreement(torch.tensor(vec[0].item() / grid.replicas, dtype=torch.float32), nonfinite,
-                         vec[1].item() + vec[2].item())
+        vec = summed([loss, sq_shard, sq_whole, sum(bad)], self.state, None, "the pipeline's agreement")
+        nonfinite = [f"stage {grid.stage} or another"] if vec[3] else []
+        return Agreement(torch.tensor(vec[0] / grid.replicas, dtype=torch.float32), nonfinite, vec[1] + vec[2])
 
     def _reduce_tied(self, grads: Params) -> None:
         for key, unit in self.tied_units.items():
@@ -301,12 +285,9 @@ class PipelineEngine(Loop):
         program = [i for i in S.gpipe(len(micro), self.grid.stages, self.grid.stage)
                    if isinstance(i, (S.LoadMicroBatch, S.RecvActivation, S.Forward, S.SendActivation))]
         losses, *_ = self._run(program, micro, self.step_fn.begin(self.state, agrees=True).buffers, train=False)
-        vec = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0, float(fault_of(self.state) is not None)],
-                           dtype=torch.float64, device=dist.device_of(None))
-        dist.all_reduce_sum(vec)
-        if vec[1].item():
-            refused_on_every_rank(self.state, "the pipeline's eval agreement")
-        return torch.tensor(vec[0].item() / self.grid.replicas, dtype=torch.float32)
+        (loss,) = summed([float(torch.stack(losses).mean()) if losses else 0.0], self.state, None,
+                         "the pipeline's eval agreement")
+        return torch.tensor(loss / self.grid.replicas, dtype=torch.float32)
 
     def _report_parts(self, metrics: dict, seconds: float) -> list[str]:
         return [f"{seconds * 1e3:.0f} ms"]
