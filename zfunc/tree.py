@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import buffers, compiled, dist, layout
+from . import compiled, dist, layout
 from .ops._names import nearest
 from .placement import Placement, optimizer_slices
 from .pytree import register_node
@@ -243,16 +243,6 @@ def compile_units(model: nn.Module, units=None, **compile_kwargs) -> nn.Module:
     for path in unit_modules(model, units):
         compiled.compile_in_place(compiled.owner(model, path), **compile_kwargs)
     return model
-
-
-def flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
-    """Copy ``model``'s parameters of ``seg`` into one new zero-padded flat buffer on ``device``."""
-    flat = buffers.zeros(seg.padded, seg.dtype, device)
-    for e in seg.entries:
-        owner, _, attr = e.name.rpartition(".")
-        p = compiled.owner(model, owner)._parameters[attr]
-        flat[e.offset : e.offset + e.numel].copy_(p.detach().reshape(-1))
-    return flat
 
 
 # ---------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from torch import nn
 
 from . import buffers, compiled
 from .weights import hf_init
-from .tree import ModelSpec, flatten_segment
+from .tree import ModelSpec, Segment
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -66,14 +66,24 @@ def unit_buffers(model: nn.Module, spec: ModelSpec, device, init_fn: Callable | 
             continue
         if meta:
             with _materialized(owners.get(i, []), device, init, weights):
-                flats = [flatten_segment(model, s, device) for s in segments]
+                flats = [_flatten_segment(model, s, device) for s in segments]
         else:
-            flats = [flatten_segment(model, s, device) for s in segments]
+            flats = [_flatten_segment(model, s, device) for s in segments]
         if weights is not None:
             for s, flat in zip(segments, flats):
                 weights.fill(s, flat)
         yield i, *flats, True
     _init_buffers(model, device, init, weights)
+
+
+def _flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
+    """Copy ``model``'s parameters of ``seg`` into one new zero-padded flat buffer on ``device``."""
+    flat = buffers.zeros(seg.padded, seg.dtype, device)
+    for e in seg.entries:
+        owner, _, attr = e.name.rpartition(".")
+        p = compiled.owner(model, owner)._parameters[attr]
+        flat[e.offset : e.offset + e.numel].copy_(p.detach().reshape(-1))
+    return flat
 
 
 def _owning_modules(model: nn.Module, spec: ModelSpec) -> dict[int, list]:
