@@ -38,7 +38,7 @@ from . import compiled, coordinator as coordination, dist, layout, lazy
 from .agreement import Agreement, agree, agree_at_entry, same_order, summed, sure_live
 from .buffers import use_large_blocks
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
-from .optim.optimizers import GradInfo, apply_update
+from .optim.base import GradInfo, apply_update
 from .placement import Placement
 from .state import State, fault_of, mark_failed, share_fault
 from .transform import Transform, Units
