@@ -13,7 +13,8 @@ runs the same parts with DeepSpeed's semantics: ``engine(batch)`` is the forward
 through it: zfunc.grad.materialized), ``backward`` sends each unit's gradient into
 the step's sums (an ``accumulate`` ``GradSink``), and the ``step()`` at the
 accumulation boundary makes the update (``Step.apply_gradients``); on the same
-micro-batches it takes the same steps as ``train_batch``. Checkpoints are
+micro-batches it takes the same steps as ``train_batch``. The step in progress is kept
+by zfunc.engine.imperative; the engine counts the micro-steps. Checkpoints are
 zfunc.checkpoint's, with the engine's counters, the config and the model's
 ``state_dict`` keys in the manifest. ``engine.compile()`` (or the config's ``compile``
 section) compiles the model's blocks in place, zfunc gathering each unit outside the
@@ -22,21 +23,17 @@ compiled code; under ``compile.deepcompile`` the step is ``zf.jit``'s, traced wh
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
-from .. import checkpoint, compiled, dist, lazy, swap
+from .. import checkpoint, compiled, dist
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
-from ..transforms.sinks import GradSink, Sink
-from ..grad import GradOut, apply, forward as run_forward, grad_spec, materialized, merge_live, scalar_loss
+from ..grad import apply, forward as run_forward, materialized, scalar_loss
+from .imperative import Window
 from .loop import Loop
-from ..materialize import Materialize
-from ..step import Step, eval_step, train_step
-from ..tree import Params
+from ..step import eval_step, train_step
 
 
 class RepeatingLoader:
@@ -129,132 +126,6 @@ def _tokens(batch) -> int:
     return 0
 
 
-class _StepSums(GradSink):
-    """The gradient sums of an imperative step (zfunc.transforms.sinks's ``GradSink``), noting which
-    passes each backward reached (the trackers of the units whose gradients it took)."""
-
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.reached: set = set()
-
-    def take(self, unit, grad_full: torch.Tensor) -> None:
-        self.reached.add(unit.tracker)
-        super().take(unit, grad_full)
-
-    def take_parts(self, unit, grads) -> None:
-        self.reached.add(unit.tracker)
-        super().take_parts(unit, grads)
-
-
-class _Spent(Sink):
-    """The sink of a closed pass: a backward through its output would put gradients nowhere."""
-
-    def takes_parts(self, unit) -> bool:
-        raise RuntimeError(
-            "backward through the output of an engine(batch) whose pass is over: an earlier engine.backward "
-            "went through it, or engine.step() made the update after it. Run engine(batch) again; to "
-            "backward twice through one output, pass retain_graph=True to the first engine.backward")
-
-    def take(self, unit, grad_full: torch.Tensor) -> None:
-        self.takes_parts(unit)
-
-
-class _Unfinished(Exception):
-    """Closes a pass no backward went through: it did not complete, so its order is not recorded
-    as a trace for the coordinator to prefetch along (zfunc.grad.materialized)."""
-
-
-class _Pass:
-    """One ``engine(batch)`` with gradients on: its units' materialization (zfunc.grad.materialized)
-    stays open, the graph kept, until a backward has gone through it, the update ends the step,
-    or the graph is gone (nothing can backward through it any more)."""
-
-    def __init__(self, context, sums: _StepSums):
-        self.context = context
-        self.view, self.tracker, _ = context.__enter__()
-        self.tracker.sink = sums
-        self.alive = 0  # this pass's Materialize nodes still in some graph
-        self.orphaned = False
-        self.watches: list = []
-
-    def watch(self, out) -> None:
-        """Note when the graph from ``out`` to this pass's units is gone (if ``out``'s tensors
-        can be found: tensors in tuples, lists and mappings)."""
-        for node in _materializations(out, self.tracker):
-            self.alive += 1
-            self.watches.append(weakref.finalize(node, self._gone))
-
-    def _gone(self) -> None:
-        self.alive -= 1
-        self.orphaned = self.alive == 0
-
-    def close(self, error: BaseException | None = None) -> None:
-        for w in self.watches:
-            w.detach()
-        # with an error the set-up ends as if it was raised inside (it is not raised again here)
-        self.context.__exit__(type(error) if error else None, error, error.__traceback__ if error else None)
-        self.tracker.sink = _Spent()
-
-
-def _materializations(out, tracker) -> list:
-    """The ``Materialize`` nodes of ``tracker``'s units that ``out``'s graph reaches: they live as
-    long as a graph through that pass does."""
-    todo = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
-    seen, found = set(), []
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node) is Materialize._backward_cls:
-            if node.unit.tracker is tracker:
-                found.append(node)
-            continue
-        todo.extend(n for n, _ in node.next_functions)
-    return found
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, Mapping):
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _tensors(o)]
-    return []
-
-
-class _Window:
-    """The imperative style's step in progress: from the first ``engine(batch)`` with gradients
-    on to the ``step()`` that updates."""
-
-    def __init__(self, step: Step, state):
-        self.start = time.perf_counter()
-        self.started = step.begin(state)
-        self.buffers = self.started.buffers
-        scaler = step.loss_scaler
-        self.scale = None if scaler is None else float(state.loss_scale.scale)
-        self.sums = _StepSums(grad_spec(state.params.spec))
-        self.passes: list[_Pass] = []  # open: awaiting a backward
-        self.losses: list[torch.Tensor] = []  # one per backward
-        self.unreduced = False  # whole gradients were added since the last reduction
-        self.peak = 0
-        self.prefetch: tuple = ()
-        self.live: dict = {}  # which parameters the backwards so far gave a gradient (GradOut.live)
-        self.tokens = 0
-
-    def close(self, passes: list[_Pass], error: BaseException | None = None) -> None:
-        for p in passes:
-            self.passes.remove(p)
-            p.close(error)
-            self.peak = max(self.peak, p.tracker.peak)
-            self.prefetch += p.tracker.prefetch
-            self.live = merge_live(self.live, p.tracker.got)
-
-    def close_orphans(self) -> None:
-        self.close([p for p in self.passes if p.orphaned], _Unfinished())
-
-
 class Engine(Loop):
     """Owns the model's state and the composed step; see the module docstring."""
 
@@ -284,7 +155,7 @@ class Engine(Loop):
         self.state = self.step_fn.init(model, weights=weights, strict=strict)  # weights: zfunc.weights
         self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
-        self._window: _Window | None = None  # the imperative style's step in progress
+        self._window: Window | None = None  # the imperative style's step in progress (zfunc.engine.imperative)
 
     # ------------------------------------------------------------------- batches
 
@@ -337,19 +208,9 @@ class Engine(Loop):
                                                          differentiable=False) as (view, tracker, _):
                 return run_forward(self._forward_fn, view, tracker, batch)
         if self._window is None:
-            self._window = _Window(self.step_fn, self.state)
-        window = self._window
-        with self.step_fn.continuing():
-            p = _Pass(materialized(self.state.params, self.state.frozen, window.buffers, differentiable=True),
-                      window.sums)
-            window.passes.append(p)
-            try:
-                out = run_forward(self._forward_fn, p.view, p.tracker, batch)
-            except BaseException as e:
-                window.close([p], e)
-                raise
-        p.watch(out)
-        window.tokens += _tokens(batch) * self.world
+            self._window = Window(self.step_fn, self.state)
+        out = self._window.forward(self.step_fn, self.state, self._forward_fn, batch)
+        self._window.tokens += _tokens(batch) * self.world
         return out
 
     forward = __call__
@@ -378,22 +239,11 @@ class Engine(Loop):
             raise ValueError(
                 "engine.backward(loss): the loss must be built from what engine(batch) returned with gradients on "
                 "(not under torch.no_grad()), since the last backward through it or the last update")
-        sums = window.sums
-        sums.last = self.is_gradient_accumulation_boundary()  # whole gradients are reduced now
-        sums.reached = set()
-        try:
-            with self.step_fn.continuing(), lazy.resolving(window.passes[-1].tracker):
-                torch.autograd.backward(loss if window.scale is None else loss * window.scale,
-                                        retain_graph=retain_graph)
-                if not retain_graph:  # their gradients are all in: their gathered buffers go
-                    window.close([p for p in window.passes if p.tracker in sums.reached])
-        except BaseException as e:  # the step's sums are incomplete: it is abandoned
+        try:  # at the boundary, whole gradients are reduced now
+            window.backward(self.step_fn, loss, self.is_gradient_accumulation_boundary(), retain_graph)
+        except BaseException:  # the step's sums are incomplete: it is abandoned
             self._window = None
-            window.close(list(window.passes), e)
             raise
-        sums.reached = set()
-        window.unreduced = not sums.last
-        window.losses.append(loss.detach().reshape(()))
         return loss.detach() / self.gradient_accumulation_steps
 
     def step(self) -> None:
@@ -405,16 +255,11 @@ class Engine(Loop):
             return
         window, self._window = self._window, None
         if window is not None:
-            window.close(list(window.passes), _Unfinished())  # forwards no backward went through
+            window.drop()  # forwards no backward went through
         if window is None or not window.losses:
             raise ValueError("engine.step() at a gradient accumulation boundary, but no engine.backward(loss) since "
                              "the last update: run loss = engine(batch); engine.backward(loss) first")
-        grads = window.sums.grads()
-        if window.unreduced:  # no backward since the boundary came: reduce whole gradients now
-            _reduce_whole(grads, self.step_fn.group)
-        out = GradOut(torch.stack(window.losses).mean(), None, grads, window.peak,
-                      (1.0 if window.scale is None else 1.0 / window.scale) / self.gradient_accumulation_steps,
-                      window.prefetch, window.live)
+        out = window.grad_out(self.step_fn.group, self.gradient_accumulation_steps)
         self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)
@@ -432,7 +277,7 @@ class Engine(Loop):
             raise ValueError(f"{what} in the middle of an imperative step (engine.backward since the last "
                              "update): call engine.step() at the accumulation boundary first")
         self._window = None
-        window.close(list(window.passes), _Unfinished())
+        window.drop()
 
     # ------------------------------------------------------------------ compiling
 
@@ -515,21 +360,9 @@ class Engine(Loop):
         """Remove the state's swap files (offload to NVMe)."""
         if self._window is not None:
             self._window, window = None, self._window
-            window.close(list(window.passes), _Unfinished())
+            window.drop()
         super().close()
 
 
 def _args(kw: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in kw.items())
-
-
-def _reduce_whole(grads: Params, group) -> None:
-    """Average the gradients that go home whole (stage 0, zero1) over ``group``: the sums the
-    accumulator reduces in the boundary's backward (zfunc.transforms.accumulate), when none came."""
-    for g, sharded in zip(grads.leaves, grads.spec.sharded):
-        if g is None or sharded:
-            continue
-        if swap.on_disk(g):
-            raise ValueError("engine.step() at the accumulation boundary with no engine.backward since the last "
-                             "step(): with gradients on NVMe, run the boundary micro-batch's backward")
-        dist.all_reduce_mean(g, group)
