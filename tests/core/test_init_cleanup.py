@@ -15,7 +15,7 @@ from torch import nn
 
 import zfunc as zf
 from workers import workers
-from zfunc import swap
+from zfunc.swap.placeholders import open_stores
 
 
 class Chain(nn.Module):
@@ -154,12 +154,12 @@ EXPECTED = {"missing weights": r"weights '.*no-such-folder' do not exist", "othe
 def test_a_failed_init_leaves_the_swap_path_as_it_was(tmp_path_factory, cause, composition, where):
     root = tmp_path_factory.mktemp("cleanup")
     path = _prepare(str(root), where)
-    before, stores = _snapshot(root), set(swap._open)
+    before, stores = _snapshot(root), set(open_stores)
     with pytest.MonkeyPatch.context() as monkeypatch:
         message = _fail(cause, composition, path, str(tmp_path_factory.mktemp("scratch")), monkeypatch)
     assert __import__("re").search(EXPECTED[cause], message), message
     assert _snapshot(root) == before, message
-    assert set(swap._open) == stores  # no store left open (its handles and pool went with it)
+    assert set(open_stores) == stores  # no store left open (its handles and pool went with it)
 
 
 def test_nine_failed_inits_in_one_process_leave_no_file(tmp_path):
@@ -199,13 +199,13 @@ def test_the_last_rank_to_close_removes_what_another_made(tmp_path, first_to_clo
     folder the user made stays (the race a failed init across ranks ran into)."""
     import shutil
 
-    from zfunc import swap
+    from zfunc.swap import folders
 
     (tmp_path / "user").mkdir()
     path = tmp_path / "user" / "a" / "b"
-    states = [swap._fresh_folder(str(path / f"rank{r}")) for r in range(2)]
+    states = [folders.fresh_folder(str(path / f"rank{r}")) for r in range(2)]
     for r in (first_to_close, 1 - first_to_close):
         shutil.rmtree(states[r])
-        swap._remove_made(str(path / f"rank{r}"))
+        folders.remove_made(str(path / f"rank{r}"))
         assert path.exists() == (r == first_to_close)
     assert os.listdir(tmp_path) == ["user"] and os.listdir(tmp_path / "user") == []

@@ -71,6 +71,7 @@ from .plan import (OffloadPlan, as_plan, check_host_memory, disk_roofline, host_
     plan_for_host_budget, rank_units, whole)
 from .rates import cached_disk
 from ...ops import cpu_adam
+from ...ops.aio import aligned_empty
 from ...optim.base import GradInfo, Optimizer, apply_update, state_bytes_per_element
 from ...optim.counts import is_count
 from ...placement import CPU, DEVICE, NVME, Placement, grad_is_shard, optimizer_slices
@@ -261,7 +262,7 @@ class _Update:
         """``group``'s tensors from disk, (piece, role, key, placeholder view, read?), and their aligned
         sizes in a staging set."""
         plan = [(piece, *x) for piece in group for x in self._disk_tensors(piece)]
-        return plan, [swap._aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
+        return plan, [swap.aligned(t.numel() * t.element_size()) for *_, t, _ in plan]
 
     def _read(self, group, slot: int, handle, held=frozenset()):
         """Queue the reads of ``group`` into staging arena ``slot``; the buffers by (role, key, piece).
@@ -287,7 +288,7 @@ class _Update:
             arenas.append(torch.empty(0, dtype=torch.uint8))
         if arenas[slot].numel() < nbytes:
             arenas[slot] = torch.empty(0, dtype=torch.uint8)  # drop the old one first
-            arenas[slot] = swap.aio.aligned_empty(max([nbytes, *(sum(self._plan(g)[1]) for g in self.groups)]))
+            arenas[slot] = aligned_empty(max([nbytes, *(sum(self._plan(g)[1]) for g in self.groups)]))
         return arenas[slot]
 
     def _compute(self, group, bufs):
