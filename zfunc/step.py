@@ -109,6 +109,12 @@ class Step:
         """Whether the gradient part sums micro-batches (in fp32)."""
         return any(t.accumulates for t in self.transforms)
 
+    def sum_home(self, spec):
+        """Where one step's fp32 sums of gradients of ``spec`` live between micro-batches: the home a
+        transform gives (``Transform.sum_home``), or None: device memory. The engine's imperative
+        loop and the pipeline hand it to their ``GradSink`` (zfunc.transforms.sinks)."""
+        return next((h for t in self.transforms if (h := t.sum_home(spec)) is not None), None)
+
     _base_name = "train_step"
 
     def coordinator(self) -> coordination.Coordinator:

@@ -113,6 +113,13 @@ class Transform:
         (offload_nvme: a gradient on disk, measured as it was written); None: read ``g``."""
         return None
 
+    def sum_home(self, spec):
+        """For a transform that keeps gradients off the device: a new home (one step's) of the fp32
+        sums of gradients of ``spec`` between micro-batches, a ``zfunc.transforms.sinks.SumHome``
+        (offload_cpu: host memory; offload_nvme: the gradient files); None (the default): device
+        memory."""
+        return None
+
     def grad_part(self, loss_fn, has_aux: bool):
         """A gradient part that replaces the eager one (``(params, batch, **kw) -> GradOut``, as
         zfunc.grad's ``value_and_grad_with_stats``; zf.jit's traced program), or None (the default)."""

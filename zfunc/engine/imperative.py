@@ -29,8 +29,8 @@ class _StepSums(GradSink):
     """The gradient sums of an imperative step (zfunc.transforms.sinks's ``GradSink``), noting which
     passes each backward reached (the trackers of the units whose gradients it took)."""
 
-    def __init__(self, spec):
-        super().__init__(spec)
+    def __init__(self, spec, sums=None):
+        super().__init__(spec, sums)
         self.reached: set = set()
 
     def take(self, unit, grad_full: torch.Tensor) -> None:
@@ -130,7 +130,7 @@ class Window:
         self.buffers = self.started.buffers
         scaler = step.loss_scaler
         self.scale = None if scaler is None else float(state.loss_scale.scale)
-        self.sums = _StepSums(grad_spec(state.params.spec))
+        self.sums = _StepSums(grad_spec(state.params.spec), step.sum_home)
         self.passes: list[_Pass] = []  # open: awaiting a backward
         self.losses: list[torch.Tensor] = []  # one per backward
         self.unreduced = False  # whole gradients were added since the last reduction

@@ -139,7 +139,7 @@ class PipelineEngine(Loop):
             if link is not None:
                 link.expect(sum(isinstance(i, kind) for i in program))
         with grad_ctx, materialized(state.params, state.frozen, buffers, differentiable=train) as (view, tracker, _):
-            sink = GradSink(grad_spec(state.params.spec)) if train else None
+            sink = GradSink(grad_spec(state.params.spec), self.step_fn.sum_home) if train else None
             tracker.sink = sink
             for ins in program:
                 m = ins.micro_batch

@@ -3,7 +3,7 @@
 ``accumulate(step, n)`` makes the step take a sequence (or iterator) of ``n``
 micro-batches. Each micro-batch's backward hands every unit's gradient to a
 ``GradSink`` (zfunc.transforms.sinks) instead of to autograd, which adds it into an fp32 accumulator
-in the gradient's home form:
+in the gradient's home form (kept where an offload transform says, either side of it):
 
 * gradients that go home as shards (zero2, zero3) are reduce-scattered each
   micro-batch and added into a sharded accumulator, so no full-size gradient
@@ -23,7 +23,7 @@ from itertools import islice
 import torch
 
 from ..grad import GradOut, grad_spec, merge_live
-from .sinks import AccumulatingGrad, GradSink
+from .sinks import AccumulatingGrad, GradSink, OffloadedGrad
 from ..step import Step, expect_step
 from ..transform import Transform, check_inside_zero
 
@@ -57,9 +57,11 @@ class Accumulate(Transform):
         return micro
 
     def wrap_grad(self, grad_fn):
-        def run(params, batch, **kw):
+        inside = grad_fn.sums if isinstance(grad_fn, OffloadedGrad) else None  # an offload inside: its sums' home
+
+        def run(params, batch, sums, **kw):
             micro = self.micro_batches(batch)
-            sink = GradSink(grad_spec(params.spec))
+            sink = GradSink(grad_spec(params.spec), sums)
             losses, auxes, peak, prefetch, live = [], [], 0, (), {}
             for i, mb in enumerate(micro):
                 sink.last = i == len(micro) - 1
@@ -72,7 +74,7 @@ class Accumulate(Transform):
             return GradOut(torch.stack(losses).mean(), auxes, sink.grads(), peak, out.grad_scale / self.n, prefetch,
                            live)
 
-        return AccumulatingGrad(run)  # it hands every micro-batch its own sink
+        return AccumulatingGrad(run, inside)  # it hands every micro-batch its own sink
 
 
 def accumulate(step: Step, n: int) -> Step:

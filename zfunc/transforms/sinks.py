@@ -10,18 +10,17 @@ sums micro-batches (zfunc.transforms.accumulate, the engines) or sends gradients
   * ``take(unit, grad_full)``: the unit's full flat gradient, which the sink now owns.
 
 The sink then hands the step its gradients in their home form (``GradSink.grads``,
-``GradOffHome.finish``).
+``GradOffHome.finish``). Where gradients go off the device is the offload transforms' to say:
+each gives its ``GradOffHome`` a ``_store``, and a ``GradSink`` the home of its sums
+(``SumHome``), so nothing here names a tier.
 """
 from __future__ import annotations
 
 import abc
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import buffers, dist, layout, swap
-from ..ops import cpu_adam
-from ..placement import CPU
+from .. import buffers, dist, layout
 from ..tree import Params
 
 
@@ -39,35 +38,55 @@ class Sink(abc.ABC):
         """Take unit ``unit``'s full local gradient (the caller gives it up)."""
 
 
+class SumHome:
+    """Where an accumulating step's fp32 sums live between micro-batches, and how they are added to.
+
+    This one keeps each unit's sum in the sink, in memory on the unit's device. An offload
+    transform that keeps gradients elsewhere hands the sink its own home, one per step
+    (``Transform.sum_home``; under ``accumulate``, through ``with_grad_sink``), so the sink never
+    names a tier: zfunc.transforms.offload's homes keep sums in host memory or in the gradient
+    files."""
+
+    in_memory = True  # sums stay in the sink between micro-batches, so per-parameter gradients may go straight in
+
+    def start(self, unit, numel: int) -> torch.Tensor:
+        """``unit``'s sum to add this micro-batch into, ``numel`` fp32 elements, where the sink holds
+        none: zeros, or (for a home that keeps it elsewhere) the sum so far."""
+        return torch.zeros(numel, dtype=torch.float32, device=unit.device)
+
+    def add(self, unit, acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Add ``unit``'s shard ``g``, reduced this micro-batch, into its sum ``acc``."""
+        return acc.add_(g)
+
+    def done(self, unit, acc: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """This micro-batch's part of ``unit`` is in ``acc`` (``last``: in the last micro-batch): the sum
+        the sink holds from now on (``acc``, or a copy of it elsewhere), or None where the home took
+        it and the sink holds nothing."""
+        return acc
+
+    def grads(self, sums: dict[int, torch.Tensor], n: int) -> list:
+        """The step's gradients of ``n`` units once every micro-batch is in: each unit's sum (``sums``:
+        those the sink holds), None for a unit no micro-batch used."""
+        return [sums.get(i) for i in range(n)]
+
+
 class GradSink(Sink):
     """fp32 accumulators, one per unit in its gradient's home form, filled in backward.
 
-    Under ``offload_nvme`` (the parameters' spec names a swap store with gradient
-    files) an accumulator lives in its unit's fp32 gradient file between
-    micro-batches: read, added to and written back, so RAM holds only the units
-    in flight; its norm and inf/NaN check are taken at each write (the last one
-    counts), as ``GradToDisk`` does.
-
-    A unit whose placement says ``acc_home`` CPU (``offload_cpu(accumulate_on="host")``) and
-    whose gradient is reduce-scattered each micro-batch keeps its sum in pinned host memory:
-    each micro-batch's reduced shard is copied down without blocking and added there by a worker
-    thread once the copy has landed, so the device holds no accumulator (DeepSpeed's
-    ZeRO-Offload accumulates on the host the same way). ``grads()`` waits for the adds.
+    ``sums(spec)`` gives the ``SumHome`` of this step's sums (None, or no ``sums``: the sink's own
+    memory on the device): where each unit's sum lives between micro-batches and how a reduced
+    shard is added to it. The offload transforms hand theirs (``Transform.sum_home``). Whole
+    gradients (stage 0, zero1) are added up in memory and reduced once, in the last micro-batch.
     """
 
-    def __init__(self, spec):
+    def __init__(self, spec, sums=None):
         self.spec = spec  # the gradients' ParamsSpec (which leaves are shards)
-        self.acc: dict[int, torch.Tensor] = {}
+        home = None if sums is None else sums(spec)
+        self.home = SumHome() if home is None else home
+        self.acc: dict[int, torch.Tensor] = {}  # unit -> its sum, where the sink holds it
         self.last = False  # the last micro-batch: whole gradients are reduced now
-        store = swap.store_of(spec.swap)
-        self.store = store if store is not None and store.grads else None
-        self.on_file: set[int] = set()  # units whose sum so far is in their gradient file
         self.views: dict[int, list] = {}  # unit -> its accumulator's per-parameter views (take_parts)
         self.reducing: dict[int, object] = {}  # unit -> its whole sum's reduction in flight (last micro-batch)
-        self.uses_left: dict[int, int] = {}  # unit -> its uses still to come in the last micro-batch
-        self.copied = False  # some sum left the device for the host (grads() waits for the copies)
-        self._adder = None  # the worker adding micro-batches into host sums (acc_home CPU)
-        self._adds: list = []  # its adds in flight
 
     def _acc(self, unit) -> torch.Tensor:
         acc = self.acc.get(unit.index)
@@ -75,37 +94,24 @@ class GradSink(Sink):
             padded = self.spec.segment(unit.index).padded
             w = dist.world_size(unit.group)
             n = layout.home_numel(padded, w, self.spec.sharded[unit.index])
-            if self._on_host(unit):
-                acc = torch.zeros(n, dtype=torch.float32, device="cpu", pin_memory=torch.cuda.is_available())
-            else:
-                acc = torch.zeros(n, dtype=torch.float32, device=unit.device)
-            if unit.index in self.on_file:
-                self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
-                self.store.read_now(acc, self.store.file_of(self.store.grads[unit.index]))
-            self.acc[unit.index] = acc
+            acc = self.acc[unit.index] = self.home.start(unit, n)
         return acc
 
     def _done(self, unit, acc: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's part is in ``acc``: on disk, write it out and let it go. In the last
-        micro-batch, a sum whose home is the host (offload_cpu) leaves the device once its unit's
-        last use is reduced, so the copies overlap the rest of backward, not the update."""
-        if self.store is not None:
-            self.store.write_gradient(acc, self.store.grads[unit.index], cpu_adam.nonfinite_and_sq_norm([acc]))
-            self.on_file.add(unit.index)
+        """This micro-batch's part is in ``acc``: its home takes it (``SumHome.done``); the sink
+        holds what the home hands back."""
+        kept = self.home.done(unit, acc, self.last)
+        if kept is None:
             self.acc.pop(unit.index, None)
-        elif self.last and unit.place.grad_home == CPU and unit.place.acc_home != CPU and _on_device(acc):
-            left = self.uses_left.get(unit.index, unit.uses) - 1
-            self.uses_left[unit.index] = left
-            if left == 0:
-                self.acc[unit.index] = host = to_host(acc, pin=True)
-                self.views.pop(unit.index, None)
-                self.copied = True
-                return host
-        return acc
+            return acc
+        if kept is not acc:
+            self.acc[unit.index] = kept
+            self.views.pop(unit.index, None)
+        return kept
 
     def takes_parts(self, unit) -> bool:
-        """Whether ``take_parts`` serves ``unit``: a whole gradient summed in RAM."""
-        return self.store is None and not self.spec.sharded[unit.index]
+        """Whether ``take_parts`` serves ``unit``: a whole gradient summed in the sink's memory."""
+        return self.home.in_memory and not self.spec.sharded[unit.index]
 
     def take_parts(self, unit, grads) -> None:
         """Add a unit's per-parameter gradients (``None``: no gradient) straight into its
@@ -138,33 +144,12 @@ class GradSink(Sink):
         tracker = unit.tracker
         if self.spec.sharded[unit.index]:
             pending = unit.send_home_start(grad_full)
-            add = self._add_on_host if self._on_host(unit) else torch.Tensor.add_
-            tracker.reducing(pending.then(lambda g: self._done(unit, add(acc, g)), acc))
+            tracker.reducing(pending.then(lambda g: self._done(unit, self.home.add(unit, acc, g)), acc))
             return
         self._settled(unit)
         acc.add_(grad_full)
         buffers.give(grad_full)
         self._reduce_if_last(unit, acc)
-
-    def _on_host(self, unit) -> bool:
-        """Whether ``unit``'s sum lives in host memory: ``acc_home`` CPU, reduced every micro-batch."""
-        return unit.place.acc_home == CPU and self.spec.sharded[unit.index] and self.store is None
-
-    def _add_on_host(self, acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Add the reduced shard ``g`` into the host sum ``acc``: at once where ``g`` is in host memory;
-        else copied down without blocking and added by the worker once the copy has landed (adds
-        to one sum run in the order their micro-batches came)."""
-        if not _on_device(g):
-            return acc.add_(g)
-        staged = to_host(g, pin=True)
-        landed = None
-        if staged.is_pinned() and torch.cuda.is_available():
-            landed = torch.cuda.Event()
-            landed.record()
-        if self._adder is None:
-            self._adder = ThreadPoolExecutor(1, thread_name_prefix="zfunc-host-sums")
-        self._adds.append(self._adder.submit(_add_landed, acc, staged, landed))
-        return acc
 
     def take_home(self, index: int, grad: torch.Tensor) -> None:
         """Add unit ``index``'s gradient, already in its home form (zf.jit's program reduced it),
@@ -197,45 +182,14 @@ class GradSink(Sink):
 
     def grads(self) -> Params:
         """The accumulated gradients; ``None`` for a unit no micro-batch used."""
-        adds, self._adds = self._adds, []
-        for add in adds:  # the host sums are complete (raising what an add raised)
-            add.result()
-        if self._adder is not None:
-            self._adder.shutdown()
-            self._adder = None
-        if self.store is None:
-            if self.copied and torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()  # the sums sent home in backward have landed
-            return Params(self.spec, [self.acc.get(i) for i in range(len(self.spec.sharded))])
-        self.store.wait(self.store.writer, "writing gradients", self.store.UNCHANGED)
-        return Params(self.spec, [self.store.grads[i] if i in self.on_file else None
-                                  for i in range(len(self.spec.sharded))])
-
-
-def _add_landed(acc: torch.Tensor, staged: torch.Tensor, landed) -> None:
-    if landed is not None:
-        landed.synchronize()
-    acc.add_(staged)
-
-
-def _on_device(t: torch.Tensor) -> bool:
-    """Whether ``t`` lives off the CPU (a seam: tests stand CPU tensors in for device ones)."""
-    return t.device.type != "cpu"
-
-
-def to_host(t, pin: bool):
-    """``t`` in CPU memory (pinned if ``pin``, copied without blocking: the caller waits before
-    reading): ``t`` itself if it is already there."""
-    if not isinstance(t, torch.Tensor) or t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    return out.copy_(t, non_blocking=pin)
+        return Params(self.spec, self.home.grads(self.acc, len(self.spec.sharded)))
 
 
 class GradOffHome(Sink):
     """A grad sink that sends each unit's gradient home the moment autograd
-    is done with the unit and hands the reduced gradient to ``_store`` (a host copy, a swap
-    file). A unit used more than once in forward has its gradients added first, as autograd would."""
+    is done with the unit and hands the reduced gradient to ``_store`` (its offload transform's:
+    zfunc.transforms.offload). A unit used more than once in forward has its gradients added
+    first, as autograd would."""
 
     def __init__(self, spec):
         self.spec = spec  # the gradients' ParamsSpec
@@ -264,24 +218,41 @@ class GradOffHome(Sink):
 
 class AccumulatingGrad:
     """A grad function that hands every micro-batch its own ``GradSink`` (what ``accumulate``
-    wraps the gradient with), so an offload transform inside it must not give it another
-    one: ``with_grad_sink`` leaves it as it is. A type, so the protocol is stated, not an
-    attribute set on a closure."""
+    wraps the gradient with), so an offload transform outside it must not give it another one:
+    ``with_grad_sink`` hands it the home of its sums instead (``homed``). ``fn(params, batch,
+    sums, **kw)``: ``sums`` makes the ``SumHome`` of a step (None: device memory). A type, so the
+    protocol is stated, not an attribute set on a closure."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, sums=None):
+        self.fn, self.sums = fn, sums
+
+    def __call__(self, params, batch, **kw):
+        return self.fn(params, batch, self.sums, **kw)
+
+    def homed(self, sums) -> "AccumulatingGrad":
+        """This grad function with its sums kept where ``sums`` says."""
+        return AccumulatingGrad(self.fn, sums)
+
+
+class OffloadedGrad:
+    """A grad function an offload transform wrapped (``with_grad_sink``): ``accumulate`` outside
+    it keeps its sums where ``sums`` says (``sums(spec)``: a ``SumHome``, or None)."""
+
+    def __init__(self, fn, sums):
+        self.fn, self.sums = fn, sums
 
     def __call__(self, params, batch, **kw):
         return self.fn(params, batch, **kw)
 
 
-def with_grad_sink(grad_fn, make_sink):
+def with_grad_sink(grad_fn, make_sink, sums):
     """``grad_fn`` handing each unit's gradient to ``make_sink(params)`` (a ``GradOffHome``; None:
     autograd's own way), whose ``finish()`` gives the step its gradients. Under ``accumulate``
-    its own sink is used instead: inside, it hands one per micro-batch (an ``AccumulatingGrad``);
-    outside, it passes one in."""
+    its own sink is used instead, with its sums where ``sums`` says: inside, accumulate hands
+    one per micro-batch (an ``AccumulatingGrad``, given ``sums``); outside, it passes one in (and
+    reads ``sums`` off the ``OffloadedGrad``)."""
     if isinstance(grad_fn, AccumulatingGrad):
-        return grad_fn
+        return grad_fn.homed(sums)
 
     def run(params, batch, *, sink=None, **kw):
         if sink is None:
@@ -291,4 +262,4 @@ def with_grad_sink(grad_fn, make_sink):
                 return out._replace(grads=sink.finish())
         return grad_fn(params, batch, sink=sink, **kw)
 
-    return run
+    return OffloadedGrad(run, sums)

@@ -201,18 +201,18 @@ def test_an_error_in_the_host_update_reaches_the_next_reader(monkeypatch):
 
 def host_sums_run(args: tuple, offload: dict) -> dict:
     """``run_composed(*args)`` under ``offload`` with every reduced gradient standing in for a device
-    one (``sinks``: copies down are clones, counted) and the host adds late (a reader that did not
+    one (``host_sums``: copies down are clones, counted) and the host adds late (a reader that did not
     wait for them would see part of a sum)."""
-    sinks = importlib.import_module("zfunc.transforms.sinks")
-    saved = sinks._on_device, sinks.to_host, sinks._add_landed
+    host_sums = importlib.import_module("zfunc.transforms.offload.host_sums")
+    saved = host_sums._on_device, host_sums.to_host, host_sums._add_landed
     copies = []
-    sinks._on_device = lambda t: True
-    sinks.to_host = lambda t, pin: copies.append(t.numel()) or t.clone()
-    sinks._add_landed = lambda *a: time.sleep(0.003) or saved[2](*a)
+    host_sums._on_device = lambda t: True
+    host_sums.to_host = lambda t, pin: copies.append(t.numel()) or t.clone()
+    host_sums._add_landed = lambda *a: time.sleep(0.003) or saved[2](*a)
     try:
         return run_composed(*args, offload=offload, peek=False) | {"copied": len(copies)}
     finally:
-        sinks._on_device, sinks.to_host, sinks._add_landed = saved
+        host_sums._on_device, host_sums.to_host, host_sums._add_landed = saved
 
 
 @pytest.mark.parametrize("world, stage", [(1, 3), (2, 2), (3, 3)])

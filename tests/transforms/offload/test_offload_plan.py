@@ -272,7 +272,7 @@ def test_accumulated_sums_leave_the_device_in_the_last_backward(monkeypatch, off
     last use is reduced (CPU tensors standing in for device ones, the copies recorded): every
     host unit's sum and no kept unit's, once each; bit for bit the run without the stand-in."""
     import importlib
-    sinks = importlib.import_module("zfunc.transforms.sinks")
+    host_sums = importlib.import_module("zfunc.transforms.offload.host_sums")
 
     def train():
         def loss_fn(params, b):
@@ -290,8 +290,8 @@ def test_accumulated_sums_leave_the_device_in_the_last_backward(monkeypatch, off
 
     plain = train()
     copied = []
-    monkeypatch.setattr(sinks, "_on_device", lambda t: True)
-    monkeypatch.setattr(sinks, "to_host", lambda t, pin: copied.append(t) or t.clone())
+    monkeypatch.setattr(host_sums, "_on_device", lambda t: True)
+    monkeypatch.setattr(host_sums, "to_host", lambda t, pin: copied.append(t) or t.clone())
     stood_in = train()
     host_units = sum(p.opt_home == CPU for p in stood_in.params.spec.placements)
     assert 0 < host_units and len(copied) == 2 * host_units  # two steps, each host unit's sum once

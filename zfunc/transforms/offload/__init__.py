@@ -1,8 +1,9 @@
 """Offload transforms and their planning: optimizer state (and the update) on the host
-(``cpu``, with its threaded ``host_update``), or parameters, gradients and optimizer state on
-disk (``nvme``, with its streaming update in ``nvme_update`` and its gradients in
-``nvme_grads``); which units go where (``plan``), from this machine's measured speeds
-(``rates``), as a value to print and pass back (``planning``)."""
+(``cpu``, with its threaded ``host_update`` and accumulated sums in ``host_sums``), or
+parameters, gradients and optimizer state on disk (``nvme``, with its streaming update in
+``nvme_update`` and its gradients and sums in ``nvme_grads``); which units go where (``plan``),
+from this machine's measured speeds (``rates``), as a value to print and pass back
+(``planning``)."""
 from .cpu import offload_cpu
 from .nvme import offload_nvme
 from .plan import OffloadPlan

@@ -6,8 +6,8 @@
   the gradients' (``grad_home``): where the parameters live on an accelerator,
   each unit's reduced gradient is copied to host memory (pinned,
   asynchronously) as its backward finishes (``GradToHost``), so the copies
-  overlap the rest of backward; under ``accumulate`` the update copies the
-  accumulated sums;
+  overlap the rest of backward; under ``accumulate`` the sums come home in the
+  last backward, or live in host memory throughout (``sum_home``: zfunc.transforms.offload.host_sums);
 * the update: the inner optimizer (with ``mixed_precision`` inside, its fp32
   master weights too) runs on the CPU over host tensors, so zfunc's fused CPU
   Adam does the work; the updated parameters (in their stored dtype) are
@@ -47,7 +47,8 @@ from ...optim.base import Optimizer, apply_update, state_bytes_per_element
 from ...placement import CPU, DEVICE, Placement, compute_device
 from ...pytree import NAMESPACE, tree_leaves, tree_map
 from .host_update import UnitUpdates, Uploads
-from ..sinks import GradOffHome, to_host, with_grad_sink
+from ..sinks import GradOffHome, with_grad_sink
+from .host_sums import HostSums, to_host
 from ...step import Step, expect_step
 from ...transform import Transform, check_inside_zero
 from ...tree import Params
@@ -363,7 +364,11 @@ class Offload(Transform):
                 return None
             return GradToHost(grad_spec(params.spec), self._pin)
 
-        return with_grad_sink(grad_fn, sink)
+        return with_grad_sink(grad_fn, sink, self.sum_home)
+
+    def sum_home(self, spec) -> HostSums:
+        """An accumulating step's sums of gradients of ``spec`` come to host memory for the host units."""
+        return HostSums(spec)
 
 
 def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,

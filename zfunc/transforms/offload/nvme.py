@@ -37,7 +37,7 @@ Write it inside the ZeRO stage and outside ``mixed_precision``:
 ``zero3(offload_nvme(mixed_precision(f), path))``. ``params=True`` needs zero3
 (or no stage at all): zero1/2 keep full parameters on every rank. Under
 ``accumulate`` the gradient files hold the fp32 sums between micro-batches
-(zfunc.transforms.sinks's ``GradSink``).
+(``sum_home``: zfunc.transforms.offload.nvme_grads's ``FileSums``).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from ...grad import grad_spec
 from .plan import (OffloadPlan, as_plan, check_host_memory, disk_roofline, host_state_bytes, once_per_spec,
     plan_for_host_budget, rank_units, whole)
 from .rates import cached_disk
-from .nvme_grads import GradToDisk
+from .nvme_grads import FileSums, GradToDisk
 from .nvme_update import STAGING_SETS, piece_size, swapped_optimizer
 from ...optim.base import state_bytes_per_element
 from ...placement import CPU, DEVICE, NVME, Placement, grad_is_shard
@@ -114,7 +114,13 @@ class OffloadNvme(Transform):
 
     def wrap_grad(self, grad_fn):
         return with_grad_sink(grad_fn, lambda params: GradToDisk(swap.store_of(params.spec.swap),
-                                                                 grad_spec(params.spec)))
+                                                                 grad_spec(params.spec)), self.sum_home)
+
+    def sum_home(self, spec) -> FileSums | None:
+        """An accumulating step's sums of gradients of ``spec`` live in the gradient files (where the
+        state has any)."""
+        store = swap.store_of(spec.swap)
+        return FileSums(store) if store is not None and store.grads else None
 
     def params_off_device_error(self, stage: int) -> str | None:
         if not self.params:
