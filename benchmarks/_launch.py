@@ -2,6 +2,8 @@
 
 torchrun would do, but it adds an agent process and its own logging; benchmarks want
 nothing but W workers whose peak RSS is theirs alone, and a clean failure when one dies.
+A benchmark script is both: the driver, and, started again by it with --worker, each worker
+(``driver_or_worker``).
 """
 import os
 import socket
@@ -38,3 +40,10 @@ def launch(argv, world_size, env=None, timeout=None, **popen_kw):
                     p.kill()
         time.sleep(0.05)
     return [p.wait() for p in procs]
+
+
+def driver_or_worker(parse_args, main, worker):
+    """A benchmark script's entry: parse its command line, then run as the driver (``main``), or as
+    one of the processes the driver launched (``worker``: the command line has --worker)."""
+    args = parse_args()
+    (worker if args.worker else main)(args)

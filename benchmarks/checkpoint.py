@@ -28,18 +28,20 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
-from _launch import launch  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _peers import Settings, deepspeed_engine, fsdp2, init_distributed, lm_loss, torch_adamw, zfunc_step  # noqa: E402
 from gpt import GPT, GPTConfig, num_params  # noqa: E402
 
 import zfunc as zf  # noqa: E402
 
 TOOLS = {"zfunc": "zfunc zero3, zf.checkpoint", "dcp": "torch FSDP2 + torch.distributed.checkpoint",
          "ds": "DeepSpeed ZeRO-3 save_checkpoint"}
+PEER = {"zfunc": "zero3", "dcp": "fsdp2", "ds": "ds3"}  # each tool's peer (benchmarks/_peers.py)
 
 
 def parse_args():
@@ -61,10 +63,6 @@ def parse_args():
     return args
 
 
-def lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
 def setup(tool, args):
     """The tool's trained state after one step, and its save and load functions."""
     torch.manual_seed(0)
@@ -77,7 +75,7 @@ def setup(tool, args):
         def loss_fn(params, batch):
             return lm_loss(zf.apply(model, params, batch[0]), batch[1])
 
-        step = zf.zero3(zf.train_step(loss_fn, zf.optim.adamw(1e-3, weight_decay=0.01)))
+        step = zfunc_step(PEER[tool], loss_fn, Settings(lr=1e-3))
         box = {"state": step.init(model)}
         box["state"], _ = step(box["state"], (x, y))
 
@@ -91,14 +89,9 @@ def setup(tool, args):
     if tool == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+        fsdp2(model, model.blocks, init_device_mesh("cpu", (dist.get_world_size(),)))
+        opt = torch_adamw(model.parameters(), Settings(lr=1e-3))
         lm_loss(model(x), y).backward()
         opt.step()
 
@@ -112,13 +105,7 @@ def setup(tool, args):
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
         return n, save, load
-    import deepspeed
-
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True,
-                                                       "adam_w_mode": True}},
-              "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = deepspeed_engine(PEER[tool], model, model.blocks, Settings(lr=1e-3, adam="for-loop", batch=2))
     loss = lm_loss(engine(x), y)
     engine.backward(loss)
     engine.step()
@@ -163,11 +150,7 @@ def timed(fn) -> float:
 
 def worker(args):
     tool, action = args.worker, args.action
-    if tool == "ds":
-        import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
-    else:
-        dist.init_process_group("gloo")
+    init_distributed(PEER[tool], "gloo")
     n, save, load = setup(tool, args)
     root = os.path.join(args.dir, tool)
     out = {"tool": tool, "action": action, "world": dist.get_world_size(), "params": n}
@@ -256,8 +239,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    if args.worker:
-        worker(args)
-    else:
-        main(args)
+    driver_or_worker(parse_args, main, worker)

@@ -21,36 +21,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, HERE]
-from _launch import launch  # noqa: E402
-from _peer import finish, timed_steps  # noqa: E402
-
-import zfunc as zf  # noqa: E402
-
-PEAK_TFLOPS = 989.0
+from _flops import PEAK_TFLOPS, embedding_params, flops_per_token  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _peers import PEERS, Settings, build, init_distributed, lm_loss  # noqa: E402
+from _worker import finish, timed_steps  # noqa: E402
 SIZES = {  # the issue's Llama: 22 layers of 2048 (about 1.1B parameters), 4 x 2048 tokens a step
     "gpu": dict(layers=22, width=2048, heads=32, kv_heads=4, ffn=5632, vocab=32000, seq=2048, batch=4, warmup=3, steps=8),
     "small": dict(layers=4, width=256, heads=8, kv_heads=4, ffn=704, vocab=4096, seq=256, batch=4, warmup=2, steps=5),
 }
-PEERS = {
-    "torch": "plain PyTorch (autocast on CUDA, fused AdamW)",
-    "torch-compile": "plain PyTorch, each decoder layer torch.compile'd",
-    "fsdp2": "FSDP2 (fully_shard per layer + root)",
-    "fsdp2-compile": "FSDP2, layers compiled, then fully_shard (torchtitan's order)",
-    "ds3": "DeepSpeed ZeRO-3",
-    "zfunc": "zfunc zero3(mixed_precision(train_step))",
-    "zfunc-blocks": "zfunc, zf.compile_units(model)",
-    "zfunc-jit": "zfunc, zf.jit(zero3(...))",
-}
-COMPILED = {"torch-compile": "torch", "fsdp2-compile": "fsdp2", "zfunc-blocks": "zfunc", "zfunc-jit": "zfunc"}
+NAMES = ["torch", "torch-compile", "fsdp2", "fsdp2-compile", "ds3", "zfunc", "zfunc-blocks", "zfunc-jit"]  # of PEERS
 
 
 def parse_args(argv=None):
@@ -59,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="the small model (the CPU's default)")
     for k in ("layers", "width", "batch", "seq", "warmup", "steps"):
         p.add_argument(f"--{k}", type=int, default=None, help="override the size's default")
-    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--peers", default=",".join(NAMES))
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per peer")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -71,9 +57,9 @@ def parse_args(argv=None):
             setattr(a, k, v)
     a.bf16 = a.device == "cuda"
     a.peers = a.peers.split(",")
-    unknown = set(a.peers) - set(PEERS)
+    unknown = set(a.peers) - set(NAMES)
     if unknown:
-        p.error(f"unknown peers {sorted(unknown)}; choose from {', '.join(PEERS)}")
+        p.error(f"unknown peers {sorted(unknown)}; choose from {', '.join(NAMES)}")
     return a
 
 
@@ -88,93 +74,26 @@ def llama(a):
         return LlamaForCausalLM(cfg)
 
 
-def lm_loss(logits, ids):
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-
-
-def compile_layers(model):
-    """Each decoder layer compiled and put back (torchtitan's apply_compile)."""
-    layers = model.model.layers
-    for i, layer in enumerate(list(layers)):
-        layers[i] = torch.compile(layer, fullgraph=True)
-
-
-def build(peer, model, a):
-    """train(ids) -> loss tensor: one optimizer step."""
-    cuda = a.device == "cuda"
-    if peer.startswith("zfunc"):
-        if peer == "zfunc-blocks":
-            zf.compile_units(model, fullgraph=True)
-        step = zf.train_step(lambda params, ids: lm_loss(zf.apply(model, params, ids).logits, ids),
-                             zf.optim.adamw(a.lr), units=lambda name, m: type(m).__name__ == "LlamaDecoderLayer")
-        if a.bf16:
-            step = zf.mixed_precision(step, torch.bfloat16)
-        step = zf.zero3(step)
-        if peer == "zfunc-jit":
-            step = zf.jit(step)
-        state = step.init(model)
-
-        def train(ids):
-            nonlocal state
-            state, metrics = step(state, ids)
-            return metrics["loss"]
-        return train
-    if peer == "ds3":
-        import deepspeed
-        config = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.01, "torch_adam": True,
-                                                            "fused": cuda}},
-                  "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0}
-        if a.bf16:
-            config["bf16"] = {"enabled": True}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-        def train(ids):
-            loss = lm_loss(engine(ids).logits, ids)
-            engine.backward(loss)
-            engine.step()
-            return loss.detach()
-        return train
-    if peer.endswith("compile"):
-        compile_layers(model)
-    if peer.startswith("fsdp2"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = init_device_mesh(a.device, (1,))
-        mp = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) if a.bf16 else {}
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh, **mp)
-        fully_shard(model, mesh=mesh, **mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, fused=cuda)
-    autocast = a.bf16 and peer.startswith("torch")
-
-    def train(ids):
-        with torch.autocast(a.device, dtype=torch.bfloat16, enabled=autocast):
-            loss = lm_loss(model(ids).logits, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return train
+def loss(forward, ids):
+    """The Llama's next-token loss on its own input: ``ids`` shifted by one."""
+    return lm_loss(forward(ids).logits[:, :-1], ids[:, 1:])
 
 
 def measure(a):
     cuda = a.device == "cuda"
     if cuda:
         torch.cuda.set_device(0)
-    if a.worker == "ds3":
-        import deepspeed
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    else:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    init_distributed(a.worker, "nccl" if cuda else "gloo")
     model = llama(a)
-    params = sum(p.numel() for p in model.parameters())
-    train = build(a.worker, model, a)
+    params, embedding = sum(p.numel() for p in model.parameters()), embedding_params(model)
+    s = Settings(lr=a.lr, adam="fused" if cuda else "for-loop", bf16=a.bf16, device=a.device, batch=a.batch,
+                 units=lambda name, m: type(m).__name__ == "LlamaDecoderLayer")
+    train = build(a.worker, model, model.model.layers, loss, s)
     gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(a.vocab, (a.batch, a.seq), generator=gen).to(a.device) for _ in range(a.warmup + a.steps)]
+    batches = [[torch.randint(a.vocab, (a.batch, a.seq), generator=gen).to(a.device)] for _ in range(a.warmup + a.steps)]
     times, losses = timed_steps(train, batches, cuda, a.warmup)
-    return dict(status="ok", params=params, first_s=times[0], step_s=statistics.median(times[a.warmup:]), losses=losses)
+    return dict(status="ok", params=params, embedding_params=embedding, first_s=times[0],
+                step_s=statistics.median(times[a.warmup:]), losses=losses)
 
 
 def worker(a):
@@ -184,10 +103,6 @@ def worker(a):
         traceback.print_exc()
         out = dict(status=f"failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
     finish(a.result, out, a.device == "cuda")
-
-
-def flops_per_token(a, params):
-    return 6 * (params - a.vocab * a.width) + 12 * a.layers * a.width * a.seq
 
 
 def main(a):
@@ -226,11 +141,11 @@ def report(a, rows):
     base = ok.get("torch-compile")
     for peer, r in rows.items():
         if r["status"] != "ok":
-            print(f"| {PEERS[peer]} | {r['status'].replace('|', '/')} | | | | | | | |")
+            print(f"| {PEERS[peer].label} | {r['status'].replace('|', '/')} | | | | | | | |")
             continue
-        tflops = flops_per_token(a, r["params"]) * tokens / r["step_s"] / 1e12
-        eager = ok.get(COMPILED.get(peer, ""))
-        print(f"| {PEERS[peer]} | {r['step_s'] * 1e3:.0f} | {100 * tflops / PEAK_TFLOPS:.1f} | "
+        tflops = flops_per_token(r["params"], r["embedding_params"], a.layers, a.width, a.seq) * tokens / r["step_s"] / 1e12
+        eager = ok.get(PEERS[peer].eager)
+        print(f"| {PEERS[peer].label} | {r['step_s'] * 1e3:.0f} | {100 * tflops / PEAK_TFLOPS:.1f} | "
               + (f"{r['step_s'] / eager['step_s']:.2f}x" if eager else "") + " | "
               + (f"{r['step_s'] / base['step_s']:.2f}x" if base else "") + f" | {r['first_s']:.1f} | "
               f"{gib(r.get('gpu_peak'))} | {gib(r.get('rss_peak'))} | {r['losses'][-1]:.5f} |")
@@ -244,8 +159,4 @@ def report(a, rows):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    if args.worker:
-        worker(args)
-    else:
-        main(args)
+    driver_or_worker(parse_args, main, worker)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -52,6 +51,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 import zfunc.optim as zoptim  # noqa: E402
+from _sizes import mixed_sizes, parse_size  # noqa: E402
 from zfunc.ops import adam, builder, cpu_adam
 
 LR, WD, BETAS, EPS = 1e-3, 0.01, (0.9, 0.999), 1e-8
@@ -59,22 +59,6 @@ LOSS_SCALE, MAX_NORM = 1024.0, 1.0
 FP32_BYTES = 28
 MIXED_BYTES = 2 + 14 + 14
 COPY_N = 64 * 2**20  # elements per yardstick buffer (256 MiB): far beyond the caches
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(s[-1], 1)
-    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
-
-
-def mixed_sizes(total: int, count: int = 200, seed: int = 0) -> list[int]:
-    """``count`` tensor sizes summing to ``total``, log-uniform over three
-    decades: a few large matrices, many mid-size ones, small vectors."""
-    rng = random.Random(seed)
-    weights = [math.exp(rng.uniform(0.0, 7.0)) for _ in range(count)]
-    sizes = [max(1, int(w * total / sum(weights))) for w in weights]
-    sizes[0] += total - sum(sizes)
-    return sizes
 
 
 def bench_case(n: int, layout: str, threads: list[int], reps: int, foreach: bool,

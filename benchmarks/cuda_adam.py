@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.cpu_adam import mixed_sizes, parse_size  # noqa: E402
+from _sizes import mixed_sizes, parse_size  # noqa: E402
 from zfunc.ops import builder, cuda_adam
 
 LR, WD, BETAS, EPS, SCALE = 1e-3, 0.01, (0.9, 0.999), 1e-8, 1.0 / 1024

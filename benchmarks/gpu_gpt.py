@@ -5,15 +5,17 @@
     python benchmarks/gpu_gpt.py nvme       # the same 1.8B GPT, its state in swap files under /tmp
     python benchmarks/gpu_gpt.py fits --device cpu --tiny   # the same code on the CPU (gloo), a tiny model: smoke test
 
-The model is examples/gpt.py (pre-LN, untied head), the losses and the FSDP2 and DeepSpeed
-set-ups are benchmarks/zero_vs_fsdp.py's (fsdp2_shard, ds_config). Every peer builds the same
-initial weights (same seed, built on the device) and trains on the same synthetic batches, so
-their losses agree up to bf16 rounding. Each peer runs in its own process (RANK 0, WORLD_SIZE 1,
-nccl on CUDA, gloo on the CPU) under a timeout; a peer that fails (out of memory, an op that
-does not build, an exception, the timeout) becomes a row "failed: <reason>" and the others go on.
-Its whole output is kept in a log, whose tail is printed when it fails. The native ops (zfunc's,
-and DeepSpeed's cpu_adam / async_io for offload / nvme) are built first, in parallel, outside
-every peer's time (at most 240 s; cached in TORCH_EXTENSIONS_DIR, so a second run skips them).
+The model is examples/gpt.py (pre-LN, untied head); every peer is built by benchmarks/_peers.py,
+as in the CPU benchmarks (FSDP2 with MixedPrecisionPolicy bf16 and fp32 reduction; FSDP2 and
+DeepSpeed update with torch's fused AdamW, DeepSpeed's offloaded state on CUDA with its
+DeepSpeedCPUAdam). Every peer builds the same initial weights (same seed, built on the device) and
+trains on the same synthetic batches, so their losses agree up to bf16 rounding. Each peer runs in
+its own process (RANK 0, WORLD_SIZE 1, nccl on CUDA, gloo on the CPU) under a timeout; a peer that
+fails (out of memory, an op that does not build, an exception, the timeout) becomes a row "failed:
+<reason>" and the others go on. Its whole output is kept in a log, whose tail is printed when it
+fails. The native ops (zfunc's, and DeepSpeed's cpu_adam / async_io for offload / nvme) are built
+first, in parallel, outside every peer's time (at most 240 s; cached in TORCH_EXTENSIONS_DIR, so a
+second run skips them).
 Exit status 1 when a peer failed ("not available" is no failure).
 
 Sizes (SIZES): fits 24 layers x 1536 (0.84B), 8 x 2048 tokens a step, 3 warm-up + 5 timed steps;
@@ -37,19 +39,17 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples"), HERE]  # zfunc from this checkout, installed or not
-from _launch import launch  # noqa: E402
-from _peer import finish, timed_steps  # noqa: E402
+from _flops import PEAK_TFLOPS, embedding_params, flops_per_token  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _peers import PEERS, NotAvailable, Settings, build, init_distributed, lm_loss  # noqa: E402
+from _worker import finish, timed_steps  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
-from zero_vs_fsdp import ds_config, fsdp2_shard, lm_loss  # noqa: E402
 
-import zfunc as zf  # noqa: E402
-
-PEAK_TFLOPS = 989.0  # H100 SXM dense bf16
+from zfunc.transforms.offload import rates  # noqa: E402
 BIG = dict(layers=32, width=2048, heads=16, vocab=50304, seq=2048)  # 1.82B parameters
 SIZES = {  # model, sequences per micro-batch, micro-batches per step, GPU cap (GiB), warm-up and timed steps, timeout (s)
     "fits": dict(layers=24, width=1536, heads=12, vocab=50304, seq=2048, batch=8, accumulate=1, cap=None,
@@ -60,20 +60,11 @@ SIZES = {  # model, sequences per micro-batch, micro-batches per step, GPU cap (
     "nvme": dict(BIG, batch=2, accumulate=1, cap=20, warmup=1, steps=2, timeout=180),
 }
 TINY = dict(layers=2, width=64, heads=4, vocab=256, seq=64, batch=2, cap=None, warmup=1, steps=2, timeout=150)
-PEERS = {
-    "fits": {"zfunc": "zfunc zero3(mixed_precision(train_step(adamw), bf16))",
-             "fsdp2": "FSDP2 fully_shard per block + root, MixedPrecisionPolicy bf16 (fp32 reduce), torch AdamW fused",
-             "ds3": "DeepSpeed ZeRO-3 bf16, torch AdamW fused"},
-    "offload": {"zfunc_cpu": "zfunc zero3(offload_cpu(mixed_precision(...))): the host update behind the next forward",
-                "zfunc_cpu_sync": "zfunc zero3(offload_cpu(mixed_precision(...), overlap=False)): the update after backward",
-                "zfunc_cpu_host_sums": "zfunc zero3(offload_cpu(mixed_precision(...), accumulate_on='host')): fp32 sums in host memory",
-                "zfunc_cpu_params": "zfunc zero3(offload_cpu(mixed_precision(...), params=True))",
-                "zfunc_cpu_plan": "zfunc zero3(offload_cpu(mixed_precision(...), budget=--budget GiB)): planned split",
-                "zfunc_cpu_ratio": "zfunc zero3(offload_cpu(mixed_precision(...), ratio=--ratio)): hand-set split",
-                "ds_cpu": "DeepSpeed ZeRO-Offload: stage 3, offload_optimizer cpu",
-                "ds_cpu_params": "DeepSpeed ZeRO-Infinity: stage 3, offload_optimizer + offload_param cpu"},
-    "nvme": {"zfunc_nvme": "zfunc zero3(offload_nvme(mixed_precision(...), path))",
-             "ds_nvme": "DeepSpeed ZeRO-Infinity: offload_optimizer + offload_param nvme"},
+MODE_PEERS = {  # each mode's peers (benchmarks/_peers.py's PEERS)
+    "fits": ["zfunc", "fsdp2", "ds3"],
+    "offload": ["zfunc_cpu", "zfunc_cpu_sync", "zfunc_cpu_host_sums", "zfunc_cpu_params", "zfunc_cpu_plan",
+                "zfunc_cpu_ratio", "ds_cpu", "ds_cpu_params"],
+    "nvme": ["zfunc_nvme", "ds_nvme"],
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
          "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
@@ -81,13 +72,6 @@ PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
                      ("zfunc_cpu_host_sums", "ds_cpu")],
          "nvme": [("zfunc_nvme", "ds_nvme")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
-
-
-ROOFLINES: list = []  # the offloaded steps' metrics["offload"], in this worker
-
-
-class NotAvailable(Exception):
-    """A peer this machine cannot run (a missing keyword, an op DeepSpeed cannot build here)."""
 
 
 def parse_args(argv=None):
@@ -117,121 +101,12 @@ def parse_args(argv=None):
             setattr(a, k, v)
     if a.device == "cpu":
         a.cap = None
-    a.peers = a.peers.split(",") if a.peers else list(PEERS[a.mode])
+    a.peers = a.peers.split(",") if a.peers else list(MODE_PEERS[a.mode])
     return a
 
 
 # -----------------------------------------------------------------------------
 # worker: one peer in this process
-
-
-def build(peer, model, a):
-    """train(micro_batches) -> mean loss tensor: one optimizer step over a.accumulate micro-batches."""
-    if peer.startswith("zfunc"):
-        def loss_fn(params, batch):
-            x, y = batch
-            return lm_loss(zf.apply(model, params, x), y)
-
-        step = zf.train_step(loss_fn, zf.optim.adamw(a.lr, weight_decay=a.wd))
-        if a.accumulate > 1:
-            step = zf.accumulate(step, a.accumulate)
-        step = zf.mixed_precision(step, torch.bfloat16)
-        if peer == "zfunc_cpu":
-            step = zf.offload_cpu(step, overlap=True)  # the default on CUDA; on the CPU too, to compare
-        elif peer == "zfunc_cpu_sync":
-            step = zf.offload_cpu(step, overlap=False)
-        elif peer == "zfunc_cpu_host_sums":
-            step = zf.offload_cpu(step, accumulate_on="host")
-        elif peer == "zfunc_cpu_params":
-            try:
-                step = zf.offload_cpu(step, params=True)
-            except TypeError as e:
-                raise NotAvailable(f"{type(e).__name__}: {e}") from e
-        elif peer == "zfunc_cpu_plan":
-            step = zf.offload_cpu(step, budget=int(a.budget * 2**30))
-        elif peer == "zfunc_cpu_ratio":
-            step = zf.offload_cpu(step, ratio=a.ratio)
-        elif peer == "zfunc_nvme":
-            step = zf.offload_nvme(step, path=a.swap)
-        step = zf.zero3(step)
-        if peer == "zfunc_cpu_plan":
-            print(zf.plan_offload(step, model, budget=int(a.budget * 2**30)), flush=True)
-        state = step.init(model)
-
-        def train(micro):
-            nonlocal state
-            state, metrics = step(state, micro if a.accumulate > 1 else micro[0])
-            if "offload" in metrics:  # the step's roofline (zfunc.transforms.offload.plan.roofline)
-                ROOFLINES.append(metrics["offload"])
-            return metrics["loss"]
-        train.settle = lambda: state.params.leaves  # the last update, if it runs behind (reading waits)
-        return train
-    if peer == "fsdp2":
-        fsdp2_shard(model, 1, True, a.device)
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.wd, fused=True)
-
-        def train(micro):
-            losses = []
-            for x, y in micro:
-                loss = lm_loss(model(x), y)
-                (loss / len(micro)).backward()
-                losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return torch.stack(losses).mean()
-        return train
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    ns = argparse.Namespace(batch=a.batch, lr=a.lr, wd=a.wd, torch_adam="fused", precision="bf16", nvme_path=a.swap)
-    config = ds_config({"ds3": "ds3", "ds_nvme": "ds3_nvme"}.get(peer, "ds3_cpu"), ns)
-    config["gradient_accumulation_steps"] = a.accumulate
-    z = config["zero_optimization"]
-    if peer == "ds_cpu_params":
-        z["offload_param"] = {"device": "cpu"}
-    if peer == "ds_nvme":
-        aio = get_accelerator().create_op_builder("AsyncIOBuilder")
-        if aio is None or not aio.is_compatible(verbose=False):
-            raise NotAvailable("DeepSpeed's async_io op cannot build here (libaio headers missing?)")
-        z["offload_param"].update(infinity_param_buffers(model, z))
-    if a.device == "cuda":
-        for k in ("offload_param", "offload_optimizer"):
-            if k in z:
-                z[k]["pin_memory"] = True
-        if "offload_optimizer" in z:  # ZeRO-Offload's own DeepSpeedCPUAdam (cpu_adam op), not torch AdamW
-            config["optimizer"]["params"] = dict(lr=a.lr, weight_decay=a.wd)
-            config.pop("zero_force_ds_cpu_optimizer", None)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-
-    def train(micro):
-        losses = []
-        for x, y in micro:
-            loss = lm_loss(engine(x), y)
-            engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
-            engine.step()  # updates on the last micro-batch only
-            losses.append(loss.detach())
-        return torch.stack(losses).mean()
-    return train
-
-
-def infinity_param_buffers(model, zero):
-    """ZeRO-Infinity's offload_param pool for ``model``: DeepSpeed swaps each parameter (not each
-    block) into a buffer of its own, so its defaults (5 buffers of 1e8 elements) stop the 1.8B GPT
-    with "Not enough buffers 0 for swapping 1" once a prefetch asks for more parameters than there
-    are buffers. Every buffer holds the largest parameter (the head, 1.03e8); there are as many as
-    a prefetch bucket and the parameters in use at once can ask for (two blocks' worth, plus the
-    embeddings and head), and prefetching and the parameters kept live are capped so that count holds
-    (on an H200 the pool alone still ran out: max_live_parameters kept 1e9 elements live)."""
-    threshold = zero.setdefault("stage3_param_persistence_threshold", int(1e5))
-    swapped = lambda m: [p for p in m.parameters() if p.numel() > threshold]  # noqa: E731  small ones stay on the GPU
-    block = max((swapped(b) for b in model.blocks), key=lambda ps: sum(p.numel() for p in ps))
-    zero["stage3_prefetch_bucket_size"] = sum(p.numel() for p in block)
-    # parameters stay live (holding their buffers) up to max_live_parameters, 1e9 by default: about 20
-    # of these blocks, far more than the pool; cap them at the two blocks the pool is sized for
-    zero["stage3_max_live_parameters"] = 2 * zero["stage3_prefetch_bucket_size"]
-    zero["stage3_max_reuse_distance"] = zero["stage3_prefetch_bucket_size"]
-    return dict(buffer_size=max(int(1e8), max(p.numel() for p in model.parameters())),
-                buffer_count=2 * len(block) + 4)
 
 
 def measure(a):
@@ -243,20 +118,19 @@ def measure(a):
         if a.cap:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap * 2**30 / total))
-    backend = "nccl" if cuda else "gloo"
-    if a.worker.startswith("ds"):
-        import deepspeed
-        deepspeed.init_distributed(dist_backend=backend)
-    else:
-        dist.init_process_group(backend)
+    init_distributed(a.worker, "nccl" if cuda else "gloo")
     torch.manual_seed(a.seed)
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, d_model=a.width, n_layers=a.layers, n_heads=a.heads,
                     tie_embeddings=False)
     with torch.device(a.device):
         model = GPT(cfg)
-    params = num_params(model)
+    params, embedding = num_params(model), embedding_params(model)
+    rooflines = []  # the offloaded steps' metrics["offload"] (zfunc.transforms.offload.plan.roofline)
+    s = Settings(lr=a.lr, wd=a.wd, bf16=True, device=a.device, batch=a.batch, accumulate=a.accumulate,
+                 nvme_path=a.swap, budget=a.budget, ratio=a.ratio)
     t0 = time.perf_counter()
-    train = build(a.worker, model, a)
+    train = build(a.worker, model, model.blocks, lambda forward, b: lm_loss(forward(b[0]), b[1]), s,
+                  on_metrics=lambda m: "offload" in m and rooflines.append(m["offload"]))
     setup_s = time.perf_counter() - t0
     gen = rank_generator(a.seed, 0)
     batches = []
@@ -264,8 +138,8 @@ def measure(a):
         tokens = torch.randint(a.vocab, (a.accumulate, a.batch, a.seq + 1), generator=gen).to(a.device)
         batches.append([(t[:, :-1], t[:, 1:]) for t in tokens])
     times, losses = timed_steps(train, batches, cuda, a.warmup)
-    return dict(status="ok", params=params, setup_s=setup_s, step_s=statistics.median(times[a.warmup:]),
-                losses=losses, roofline=ROOFLINES[-1] if ROOFLINES else None)
+    return dict(status="ok", params=params, embedding_params=embedding, setup_s=setup_s,
+                step_s=statistics.median(times[a.warmup:]), losses=losses, roofline=rooflines[-1] if rooflines else None)
 
 
 def worker(a):
@@ -329,7 +203,7 @@ def prebuild(a):
     """Build the native ops the peers JIT-build (zfunc's; DeepSpeed's cpu_adam, async_io), in parallel,
     so no peer's time or timeout holds a compile. Builds are cached (TORCH_EXTENSIONS_DIR)."""
     ds_ops = {"offload": ["CPUAdamBuilder"], "nvme": ["CPUAdamBuilder", "AsyncIOBuilder"]}.get(a.mode, [])
-    if a.device == "cpu":  # DeepSpeed's CPU peers update with torch AdamW (zero_vs_fsdp's ds_config): no cpu_adam
+    if a.device == "cpu":  # DeepSpeed's CPU peers update with torch AdamW (_peers.ds_config): no cpu_adam
         ds_ops = [n for n in ds_ops if n != "CPUAdamBuilder"]
     ds = ("import deepspeed; from deepspeed.accelerator import get_accelerator as g\n"
           f"for n in {ds_ops!r}:\n b = g().create_op_builder(n)\n"
@@ -390,12 +264,6 @@ def run_peer(peer, a, tmp):
     return out
 
 
-def flops_per_token(a, params):
-    """6 N (N: parameters less the token and position tables, which are looked up, not multiplied)
-    plus 12 L d s for attention's scores and weighted sum, forward and backward, counted as if not causal."""
-    return 6 * (params - (a.vocab + a.seq) * a.width) + 12 * a.layers * a.width * a.seq
-
-
 def report(a, rows):
     ok = {r["peer"]: r for r in rows if r["status"] == "ok"}
     tokens = a.batch * a.accumulate * a.seq
@@ -413,19 +281,20 @@ def report(a, rows):
           f"{a.batch} x {a.seq} tokens x {a.accumulate} micro-batch(es) = {tokens} tokens/step; "
           f"{a.warmup} warm-up + {a.steps} timed steps (median); W = 1 on {name}"
           + (f", GPU capped at {a.cap:g} GiB (set_per_process_memory_fraction)" if a.cap else "")
-          + f"; torch {torch.__version__}, DeepSpeed {ds_version}\n")
+          + f"; torch {torch.__version__}, DeepSpeed {ds_version}; FSDP2: MixedPrecisionPolicy bf16, fp32 reduce; "
+          "FSDP2 and DeepSpeed: torch AdamW fused (DeepSpeedCPUAdam on offloaded state)\n")
     print("TFLOPS = (6 N + 12 L d s) x tokens / step time, N: the "
           "parameters less the embedding tables; % peak against 989 TFLOP/s (H100 SXM dense bf16"
           + (", meaningless on the CPU" if a.device == "cpu" else "") + "). Peak GPU memory: "
-          "torch.cuda.max_memory_allocated over the whole run; peak host RSS: the process's ru_maxrss.\n")
+          "torch.cuda.max_memory_allocated over the whole run; peak host RSS: the process's high-water mark (VmHWM).\n")
     print("| peer | step ms | tokens/s | TFLOPS | % bf16 peak | peak GPU GiB | peak host RSS GiB | final loss | loss vs first row |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        label = PEERS[a.mode][r["peer"]]
+        label = PEERS[r["peer"]].label
         if r["status"] != "ok":
             print(f"| {label} | {r['status'].replace('|', '/')} | | | | {gib(r.get('gpu_peak'))} | {gib(r.get('rss_peak'))} | | |")
             continue
-        r["tflops"] = flops_per_token(a, params) * tokens / r["step_s"] / 1e12
+        r["tflops"] = flops_per_token(params, r["embedding_params"], a.layers, a.width, a.seq) * tokens / r["step_s"] / 1e12
         rel = (r["losses"][-1] - first["losses"][-1]) / first["losses"][-1]
         print(f"| {label} | {r['step_s'] * 1e3:.0f} | {tokens / r['step_s']:,.0f} | {r['tflops']:.3g} | "
               f"{100 * r['tflops'] / PEAK_TFLOPS:.3g} | {gib(r.get('gpu_peak'))} | {gib(r['rss_peak'])} | "
@@ -480,7 +349,7 @@ def main(a):
         try:
             if a.mode == "nvme":
                 print(f"swap files under {a.swap_root}: {shutil.disk_usage(a.swap_root).free / 2**30:.0f} GiB free", flush=True)
-                read, write = zfunc.transforms.offload.rates.measure_disk(a.swap_root, refresh=True)  # cached: the peers' roofline reads it
+                read, write = rates.measure_disk(a.swap_root, refresh=True)  # cached: the peers' roofline reads it
                 print(f"the disk under them (zfunc.transforms.offload.rates.measure_disk, 256 MiB, O_DIRECT): read {read / 1e9:.2f} GB/s, "
                       f"write {write / 1e9:.2f} GB/s", flush=True)
             for peer in a.peers:
@@ -493,8 +362,4 @@ def main(a):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    if args.worker:
-        worker(args)
-    else:
-        main(args)
+    driver_or_worker(parse_args, main, worker)

@@ -3,7 +3,7 @@
     python benchmarks/hf_weights_peers.py                                         # a 31.6M-parameter Llama
     python benchmarks/hf_weights_peers.py --layers 24 --width 1024 --vocab 32000  # 315.9M
 
-A random Llama (``load_weights.llama``: tied embeddings) is written once with ``save_pretrained``;
+A random Llama (``_llama.llama``: tied embeddings) is written once with ``save_pretrained``;
 then each way, in a fresh process at W = 1 (gloo), loads that folder into a trainable ZeRO-3 state
 with AdamW's moments made, and exports it back as safetensors. Each phase's time and peak RSS
 above the process's baseline (VmHWM, reset just before) are printed, with a spot check that a few
@@ -35,14 +35,15 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _launch import launch  # noqa: E402
-from load_weights import llama, measured  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _llama import llama  # noqa: E402
+from _peers import Settings, deepspeed_engine, ds_config, fsdp2, init_distributed, torch_adamw, zfunc_step  # noqa: E402
+from _worker import measured  # noqa: E402
 
 WAYS = ("zfunc-nvme", "zfunc", "deepspeed", "fsdp2")
 PEERS = ("deepspeed", "fsdp2")
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "adam_w_mode": True}},
-             "zero_optimization": {"stage": 3}}
+PEER = {"zfunc-nvme": "zfunc_nvme", "zfunc": "zero3", "deepspeed": "ds3", "fsdp2": "fsdp2"}  # benchmarks/_peers.py's
+SETTINGS = Settings(lr=1e-3, adam="for-loop")  # torch AdamW's default on the CPU
 
 
 def parse_args():
@@ -102,8 +103,8 @@ def meta_model(folder: str):
 def zfunc_way(folder: str, out: str, scratch: str, names, nvme: bool) -> dict:
     import zfunc as zf
 
-    inner = zf.train_step(lambda p, x: 0, zf.optim.adamw(1e-3))
-    step = zf.zero3(zf.offload_nvme(inner, os.path.join(scratch, "swap")) if nvme else inner)
+    s = Settings(lr=1e-3, nvme_path=os.path.join(scratch, "swap"))
+    step = zfunc_step(PEER["zfunc-nvme" if nvme else "zfunc"], lambda p, x: 0, s)
     r = {}
     state, r["load_s"], r["load_peak"] = measured(lambda: step.init(meta_model(folder), weights=folder))
     _, r["export_s"], r["export_peak"] = measured(lambda: zf.checkpoint.save_hf(state, out, config=folder))
@@ -119,12 +120,12 @@ def deepspeed_way(folder: str, out: str, scratch: str, names) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    registered = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841 - from_pretrained reads it while it lives: zero.Init
+    config = ds_config(PEER["deepspeed"], SETTINGS)
+    registered = HfDeepSpeedConfig(config)  # noqa: F841 - from_pretrained reads it while it lives: zero.Init
 
     def load():
         model = AutoModelForCausalLM.from_pretrained(folder)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=DS_CONFIG)
-        return engine
+        return deepspeed_engine(PEER["deepspeed"], model, model.model.layers, SETTINGS, config)
 
     r = {}
     engine, r["load_s"], r["load_peak"] = measured(load)
@@ -148,21 +149,18 @@ def fsdp2_way(folder: str, out: str, scratch: str, names) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (1,))
     in_file = set(read_folder_keys(folder))
 
     def load():
         model = meta_model(folder)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fsdp2(model, model.model.layers, mesh)
         model.to_empty(device="cpu")
         model.tie_weights()
         dcp.load({k: v for k, v in model.state_dict().items() if k in in_file},
                  storage_reader=HuggingFaceStorageReader(folder))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        opt = torch_adamw(model.parameters(), Settings(lr=1e-3, wd=0.0, adam="for-loop"))
         for p in model.parameters():  # a step on zero gradients makes the moments and moves nothing
             p.grad = torch.zeros_like(p)
         opt.step()
@@ -182,11 +180,8 @@ def fsdp2_way(folder: str, out: str, scratch: str, names) -> dict:
 def worker(args, way: str, folder: str, warm: str, scratch: str) -> dict:
     """``way`` on the tiny folder ``warm`` first (its code paths and lazy imports, out of the figures), then
     measured on ``folder``."""
-    if way == "deepspeed":
-        import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
-    elif way == "fsdp2":
-        torch.distributed.init_process_group("gloo")
+    if way in PEERS:
+        init_distributed(PEER[way], "gloo")
     run = {"deepspeed": deepspeed_way, "fsdp2": fsdp2_way,
            "zfunc": lambda *a: zfunc_way(*a, nvme=False), "zfunc-nvme": lambda *a: zfunc_way(*a, nvme=True)}[way]
     names = checked_names(args.layers)
@@ -203,13 +198,14 @@ def worker(args, way: str, folder: str, warm: str, scratch: str) -> dict:
     return r
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        way, folder, warm, scratch, result = args.worker.split(",")
-        with open(result, "w") as f:
-            json.dump(worker(args, way, folder, warm, scratch), f)
-        return
+def run_way(args) -> None:
+    """This fresh process's part (``--worker WAY,FOLDER,WARM,SCRATCH,RESULT``): ``worker``'s figures to RESULT."""
+    way, folder, warm, scratch, result = args.worker.split(",")
+    with open(result, "w") as f:
+        json.dump(worker(args, way, folder, warm, scratch), f)
+
+
+def main(args):
     root = args.dir or tempfile.mkdtemp(prefix="hf_weights_peers-")
     folder, warm = os.path.join(root, "llama"), os.path.join(root, "warm")
     torch.manual_seed(0)
@@ -252,4 +248,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    driver_or_worker(parse_args, main, run_way)

@@ -20,12 +20,12 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
-from _launch import launch  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _peers import lm_loss  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
 
 import zfunc as zf  # noqa: E402
@@ -55,10 +55,6 @@ def parse_args():
     return args
 
 
-def lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
 def engine_for(args, loss_fn=None):
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
                     n_heads=args.heads)
@@ -78,6 +74,8 @@ def slowest(seconds: float) -> float:
 
 
 def worker(args):
+    torch.set_num_threads(args.threads)
+    zf.dist.init()
     rank = int(os.environ["RANK"])
     imperative, n = engine_for(args)
     batched, _ = engine_for(args, loss_fn=lambda model, b: lm_loss(model(b[0]), b[1]))
@@ -113,13 +111,7 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        torch.set_num_threads(args.threads)
-        zf.dist.init()
-        worker(args)
-        return
+def main(args):
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         argv = [os.path.abspath(__file__), *sys.argv[1:], "--worker", "--result", result]
@@ -140,4 +132,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    driver_or_worker(parse_args, main, worker)

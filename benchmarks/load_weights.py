@@ -20,9 +20,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _launch import driver_or_worker  # noqa: E402
+from _llama import llama  # noqa: E402
+from _peers import Settings, zfunc_step  # noqa: E402
+from _worker import measured  # noqa: E402
 
 MODES = ("weights", "init_fn", "model")
 
@@ -38,42 +43,17 @@ def parse_args():
     return p.parse_args()
 
 
-def llama(args, device: str):
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.width * 11 // 4,
-                                   num_hidden_layers=args.layers, num_attention_heads=args.width // 64,
-                                   num_key_value_heads=max(1, args.width // 128), max_position_embeddings=256,
-                                   tie_word_embeddings=True)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(cfg)
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def worker(args, mode: str, path: str, swap: str) -> dict:
-    import zfunc as zf
-
-    step = zf.zero3(zf.offload_nvme(zf.train_step(lambda p, x: 0, zf.optim.adamw(1e-3)), swap))
+def worker(args) -> None:
+    """One way (``--worker MODE,PATH,SWAP,OUT``) in this fresh process: its seconds and peak RSS to OUT."""
+    mode, path, swap, out = args.worker.split(",")
+    step = zfunc_step("zfunc_nvme", lambda p, x: 0, Settings(lr=1e-3, nvme_path=swap))
     warm = llama(argparse.Namespace(layers=1, width=64, vocab=64), "meta")
     step.init(warm).close()  # the code paths and native ops, loaded before the baseline
     state, seconds, peak = measured(lambda: load(args, mode, path, step))
     params = sum(u.trainable.numel for u in state.params.spec.model.units)
     state.close()
-    return {"peak": peak, "seconds": seconds, "params": params}
-
-
-def measured(fn):
-    """``fn()``, the seconds it took and the peak RSS it added to the process (VmHWM, reset first)."""
-    before = _status("VmRSS:")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start, _status("VmHWM:") - before
+    with open(out, "w") as f:
+        json.dump({"peak": peak, "seconds": seconds, "params": params}, f)
 
 
 def load(args, mode: str, path: str, step):
@@ -102,13 +82,7 @@ def load(args, mode: str, path: str, step):
     return step.init(model)
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        mode, path, swap, out = args.worker.split(",")
-        with open(out, "w") as f:
-            json.dump(worker(args, mode, path, swap), f)
-        return
+def main(args):
     folder = args.dir or tempfile.mkdtemp(prefix="load_weights-")
     path = os.path.join(folder, "model.safetensors")
     from safetensors.torch import save_file
@@ -137,4 +111,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    driver_or_worker(parse_args, main, worker)

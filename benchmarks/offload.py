@@ -6,7 +6,7 @@ ZeRO-3, ZeRO-Offload and ZeRO-Infinity modes, in one run; and a scale run.
     python benchmarks/offload.py --repeats 3           # modes interleaved 3 times, medians
     python benchmarks/offload.py --scale               # model states 1.5x RAM, zero3(offload_nvme), W=1, 3 steps
 
-Each mode runs in its own fresh processes (benchmarks/zero_vs_fsdp.py's worker), so peak RSS
+Each mode runs in its own fresh processes (benchmarks/_modes.py's worker), so peak RSS
 per rank is its own. Disk traffic per step is read from /proc/self/io (bytes that reached the
 block layer, all threads) in every mode alike. "I/O s" is that traffic at the bandwidth
 zfunc's aio handle measures here at the start of the run (a 1 GiB O_DIRECT write, then a
@@ -22,7 +22,6 @@ needs about 20 bytes per parameter free on --nvme-path's disk.
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -30,11 +29,15 @@ import time
 
 import torch
 
+from zfunc.testing import memory
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-import zero_vs_fsdp as zvf  # noqa: E402
-from _launch import launch  # noqa: E402
+import _modes  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _peers import PEERS, lm_loss  # noqa: E402
+from _worker import disk_io_bytes  # noqa: E402
 
 MODES = ["zero3", "zero3_cpu", "zero3_cpu_overlap", "zero3_nvme", "zero3_nvme_noprefetch", "zero3_nvme_small", "ds3", "ds3_cpu", "ds3_nvme"]
 PEER = {"zero3": "ds3", "zero3_cpu": "ds3_cpu", "zero3_cpu_overlap": "ds3_cpu", "zero3_nvme": "ds3_nvme", "zero3_nvme_small": "ds3_nvme",
@@ -59,7 +62,7 @@ def parse_args():
     p.add_argument("--scale", action="store_true", help="the scale run instead of the table")
     p.add_argument("--scale-ratio", type=float, default=1.5, help="model states / RAM for --scale")
     p.add_argument("--scale-steps", type=int, default=3)
-    p.add_argument("--scale-worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # the scale run's process: its result file
     return p.parse_args()
 
 
@@ -68,7 +71,7 @@ def parse_args():
 
 def measure_bandwidth(folder: str) -> tuple[float, float]:
     """(write, read) GB/s of zfunc's default aio handle here, measured in a child process (so
-    this one's peak RSS, which the modes' processes inherit in ru_maxrss, stays small)."""
+    its 1 GiB buffer never enters this one's memory)."""
     import subprocess
 
     code = f"import sys; sys.path.insert(0, {HERE!r}); import offload; print(*offload._bandwidth({folder!r}))"
@@ -110,7 +113,7 @@ def table(results, args, bandwidth):
         return statistics.median(r[key] for r in results[m])
 
     def ratio(m, other):
-        return zvf.per_repeat_ratio(results, m, other) if other in modes else None
+        return _modes.per_repeat_ratio(results, m, other) if other in modes else None
 
     def fmt(x, spec=".2f"):
         return "" if x is None else format(x, spec)
@@ -129,7 +132,7 @@ def table(results, args, bandwidth):
             hidden = (med(own, "median_step_s") + io_s - step) / io_s
         peer = PEER.get(m)
         rss_ratio = rss / med(peer, "peak_rss_bytes") if peer in modes else None
-        lines.append(f"| {zvf.MODES[m]} | {step:.3f} | {fmt(ratio(m, own))} | {fmt(ratio(m, peer) if peer else None)} | "
+        lines.append(f"| {PEERS[m].label} | {step:.3f} | {fmt(ratio(m, own))} | {fmt(ratio(m, peer) if peer else None)} | "
                      f"{rss / 1e9:.2f} GB | {fmt(rss_ratio)} | {read / 1e6:.1f} | {written / 1e6:.1f} | "
                      f"{io_s:.3f} | {fmt(hidden, '.0%')} | {results[m][0]['final_loss']:.6f} |")
     lines += prefetch_lines(results, modes)
@@ -147,7 +150,7 @@ def prefetch_lines(results, modes):
         rss = statistics.median(r["peak_rss_bytes"] for r in results[on])
         base = statistics.median(r["peak_rss_bytes"] for r in results["zero3"]) if "zero3" in modes else None
         misses = [max(r.get("misses_after_first") or 0 for r in results[m]) for m in (on, off)]
-        out.append(f"| {zvf.MODES[on]} | {zvf.per_repeat_ratio(results, off, on):.2f} | "
+        out.append(f"| {PEERS[on].label} | {_modes.per_repeat_ratio(results, off, on):.2f} | "
                    f"{'' if base is None else format(rss / base, '.2f')} | {misses[0]} / {misses[1]} |")
     return out
 
@@ -156,7 +159,7 @@ def main(args):
     zargs = ["--modes", args.modes, "--precision", args.precision, "--steps", str(args.steps),
              "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)] + (
                  ["--small"] if args.small else [])
-    zv = zvf.parse_args(zargs)
+    zv = _modes.parse_args(zargs)
     results = {m: [] for m in zv.modes}
     with tempfile.TemporaryDirectory(prefix="offload-bench.") as tmp:
         swap = args.nvme_path or os.path.join(tmp, "swap")
@@ -166,13 +169,13 @@ def main(args):
         print(f"aio bandwidth on {swap}: write {bandwidth[0]:.2f} GB/s, read {bandwidth[1]:.2f} GB/s", file=sys.stderr)
         for repeat in range(args.repeats):
             for mode in zv.modes:
-                out = zvf.run_mode(mode, zv, tmp, repeat)
+                out = _modes.run_mode(mode, zv, tmp, repeat)
                 if out is not None:
                     results[mode].append(out)
     text = table(results, args, bandwidth)
     params = next(r for rs in results.values() for r in rs)["params"]
     print(f"\nGPT pre-LN, {zv.layers} layers, d_model {zv.width}, vocab {zv.vocab}, seq {zv.seq}, untied, "
-          f"{params / 1e6:.1f}M params, {zvf.precision_text(args.precision)}, AdamW (lr {zv.lr}, wd {zv.wd}); "
+          f"{params / 1e6:.1f}M params, {_modes.precision_text(args.precision)}, AdamW (lr {zv.lr}, wd {zv.wd}); "
           f"W={zv.world} gloo ranks x 1 thread, batch {zv.world} x {zv.batch}; {zv.warmup} warm-up + {zv.steps} timed "
           f"steps; median over {args.repeats} repeat(s); aio measured at write {bandwidth[0]:.2f} / read "
           f"{bandwidth[1]:.2f} GB/s; torch {torch.__version__}\n")
@@ -215,7 +218,7 @@ def scale_worker(args):
 
     def loss_fn(params, batch):
         x, y = batch
-        return zvf.lm_loss(zf.apply(model, params, x), y)
+        return lm_loss(zf.apply(model, params, x), y)
 
     step = zf.zero3(zf.offload_nvme(zf.train_step(loss_fn, zf.optim.adamw(1e-4)), args.nvme_path,
                                     sub_group_size=per_block))
@@ -226,12 +229,12 @@ def scale_worker(args):
     rows = []
     for i in range(args.scale_steps):
         tokens = torch.randint(vocab, (1, seq + 1), generator=g)
-        io0 = zvf.disk_io_bytes()
+        io0 = disk_io_bytes()
         t0 = time.perf_counter()
         state, metrics = step(state, (tokens[:, :-1], tokens[:, 1:]))
         loss = metrics["loss"].item()
         dt = time.perf_counter() - t0
-        read, written = (b - a for a, b in zip(io0, zvf.disk_io_bytes()))
+        read, written = (b - a for a, b in zip(io0, disk_io_bytes()))
         rows.append(dict(step_s=dt, loss=loss, read=read, written=written, nvme=metrics["nvme"]))
         print(f"[scale] step {i}: {dt:.1f} s, loss {loss:.4f}, read {read / 1e9:.1f} GB, written "
               f"{written / 1e9:.1f} GB", file=sys.stderr, flush=True)
@@ -239,8 +242,8 @@ def scale_worker(args):
     state.close()
     out = dict(ram=ram, params=n, layers=layers, model_state_bytes=16 * n, init_s=init_s, rows=rows,
                disk_bytes=report["by_home"]["disk"], swap_buffer_bytes=report["swap_buffer_bytes"],
-               peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    with open(args.scale_worker, "w") as f:
+               peak_rss=memory.peak())
+    with open(args.worker, "w") as f:
         json.dump(out, f)
 
 
@@ -250,7 +253,7 @@ def scale(args):
         os.makedirs(swap, exist_ok=True)
         result = os.path.join(tmp, "scale.json")
         t0 = time.perf_counter()
-        rcs = launch([os.path.abspath(__file__), "--scale-worker", result, "--nvme-path", swap,
+        rcs = launch([os.path.abspath(__file__), "--worker", result, "--nvme-path", swap,
                       "--scale-ratio", str(args.scale_ratio), "--scale-steps", str(args.scale_steps)], 1,
                      env={"OMP_NUM_THREADS": str(os.cpu_count())})
         if any(rcs):
@@ -274,11 +277,9 @@ def scale(args):
             json.dump(r, f, indent=1)
 
 
+def driver(args):
+    (scale if args.scale else main)(args)
+
+
 if __name__ == "__main__":
-    a = parse_args()
-    if a.scale_worker:
-        scale_worker(a)
-    elif a.scale:
-        scale(a)
-    else:
-        main(a)
+    driver_or_worker(parse_args, driver, scale_worker)

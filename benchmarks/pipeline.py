@@ -34,7 +34,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
-from _launch import launch  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
+from _peers import lm_loss  # noqa: E402
 from _plot import pyplot, save  # noqa: E402
 from gpt import Block, Embed, GPTConfig, lm_head  # noqa: E402
 
@@ -85,10 +86,6 @@ def layers_of(args, cfg, layer_spec, tied_spec):
         return blocks
     return [tied_spec("embed", TiedEmbed, cfg), *blocks, layer_spec(torch.nn.LayerNorm, cfg.d_model),
             tied_spec("embed", TiedEmbed, cfg, forward_fn=lm_head)]
-
-
-def lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
 def loss_of(args):
@@ -291,8 +288,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    if args.worker:
-        worker(args)
-    else:
-        main(args)
+    driver_or_worker(parse_args, main, worker)

@@ -5,8 +5,8 @@ against torch DDP, in one run.
     python benchmarks/soak.py --steps 5000 --every 250
     python benchmarks/soak.py --fr-buffer 0            # torch's flight recorder off (see below)
 
-Each mode runs in its own fresh W processes (benchmarks/_launch.py); every rank reads its RSS
-from /proc/self/statm every --every steps. The table gives rank 0's and the other ranks' RSS
+Each mode runs in its own fresh W processes (benchmarks/_launch.py), built by
+benchmarks/_peers.py; every rank reads its RSS (zfunc.testing.memory) every --every steps. The table gives rank 0's and the other ranks' RSS
 at each sample, then per mode the growth over the first and the second half of the run.
 A leak grows in both halves alike; a bounded cache filling up grows in the first only.
 
@@ -30,10 +30,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _launch import launch  # noqa: E402
+from _launch import driver_or_worker, launch  # noqa: E402
 
-MODES = ["zero3", "zero3_nvme", "ddp"]
-PAGE = os.sysconf("SC_PAGE_SIZE")
+MODES = ["zero3", "zero3_nvme", "ddp"]  # of benchmarks/_peers.py's PEERS
 
 
 def parse_args():
@@ -50,11 +49,6 @@ def parse_args():
     p.add_argument("--json", default=None, help="also write the samples here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # mode:out_path, set by the launcher
     return p.parse_args()
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 def _model(args):
@@ -82,53 +76,33 @@ def worker(args) -> None:
     import gc
 
     import torch
-    from torch import nn
 
     import zfunc as zf
+    from zfunc.testing import memory
+    from _peers import Settings, build, init_distributed
 
     torch.set_num_threads(1)
-    zf.dist.init("gloo")
-    rank, world = zf.dist.rank(), zf.dist.world_size()
+    init_distributed(mode, "gloo")
+    rank = zf.dist.rank()
     model = _model(args)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, args.width, generator=g), torch.randn(args.batch, args.width, generator=g)
-    if mode == "ddp":
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(model.parameters(), 1e-3)
-
-        def step():
-            opt.zero_grad()
-            ((ddp(x) - y) ** 2).mean().backward()
-            opt.step()
-    else:
-        def loss_fn(params, batch):
-            inputs, target = batch
-            return ((zf.apply(model, params, inputs) - target) ** 2).mean()
-
-        inner = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
-        if mode == "zero3_nvme":
-            inner = zf.offload_nvme(inner, tempfile.mkdtemp(prefix=f"zfunc-soak-{rank}-"))
-        train = zf.zero3(inner)
-        state = train.init(model)
-
-        def step():
-            nonlocal state
-            state, metrics = train(state, (x, y))
-            metrics["loss"].item()
+    swap = tempfile.mkdtemp(prefix=f"zfunc-soak-{rank}-") if mode == "zero3_nvme" else None
+    train = build(mode, model, model.blocks, lambda forward, b: ((forward(b[0]) - b[1]) ** 2).mean(),
+                  Settings(lr=1e-3, adam="for-loop", nvme_path=swap))  # torch AdamW's default on the CPU
 
     samples = []
     for i in range(args.steps + 1):
         if i % args.every == 0 or i == args.steps:
-            samples.append((i, rss()))
+            samples.append((i, memory.rss()))
         if i < args.steps:
-            step()
+            train([(x, y)]).item()
     gc.collect()
     zf.buffers.trim()
-    result = {"rank": rank, "samples": samples, "after_trim": rss()}
+    result = {"rank": rank, "samples": samples, "after_trim": memory.rss()}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
-    if mode != "ddp":
-        state.close()
+    train.close()
     zf.dist.shutdown()
 
 
@@ -177,10 +151,7 @@ def report(results: dict, args) -> None:
         print(f"  {m:<11} " + "   ".join(parts))
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        return worker(args)
+def main(args):
     with tempfile.TemporaryDirectory(prefix="zfunc-soak-") as scratch:
         results = {m: run_mode(m, args, scratch) for m in args.modes.split(",")}
     report(results, args)
@@ -190,4 +161,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    driver_or_worker(parse_args, main, worker)
