@@ -27,6 +27,7 @@ from test_precision import U, _check
 from test_zero_equivalence import assert_close_to
 from workers import workers
 from zfunc.ops import adam, cpu_adam, cuda_adam
+from zfunc.checkpoint import sharded as checkpoint_format
 from zfunc.tree import Params
 
 NAMES = ["external", "sometimes"]
@@ -221,7 +222,7 @@ def test_a_format_2_checkpoint_gives_each_parameter_its_units_count(tmp_path, mo
     state = step.init(model)
     steps = state.opt_state.steps
     per_unit = Params(steps.spec, [torch.tensor(5 + i) for i in range(len(steps.leaves))])
-    monkeypatch.setattr(zf.checkpoint, "FORMAT", 2)
+    monkeypatch.setattr(checkpoint_format, "FORMAT", 2)
     zf.checkpoint.save(dataclasses.replace(state, opt_state=state.opt_state._replace(steps=per_unit)),
                        os.path.join(tmp_path, "ckpt"), "old")
     fresh = step.init(build("external"))
