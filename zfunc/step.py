@@ -38,6 +38,7 @@ from . import compiled, coordinator as coordination, dist
 from .agreement import Agreement, agree, agree_at_entry, same_order, summed, sure_live
 from .grad import GradOut, forward, materialized, value_and_grad_with_stats
 from .optim.base import GradInfo, apply_update
+from .optim.reported_lr import applied_lr, next_lr
 from .placement import Placement
 from .state import State, fault_of, mark_failed, share_fault
 from .state_init import init_state
@@ -315,6 +316,7 @@ class Step:
                     "learning rate; zf.train_step(..., nonfinite='skip') skips such steps instead"
                 )
             metrics["skipped"] = True
+            metrics["lr"] = next_lr(self.optimizer, state.opt_state)  # what it would have used (zfunc.optim.reported_lr)
             return State(state.params, state.opt_state, state.frozen, buffers, count, state.plan, loss_scale), metrics
         del loss
         info = GradInfo(scale=grad_scale, sq_norm=agreed.sq_norm, live=sure_live(agreed.live, grads.spec))
@@ -328,6 +330,7 @@ class Step:
                 e.add_note(f"zfunc: {fault.error()}")
             raise
         object.__setattr__(state, "_donated", True)
+        metrics["lr"] = applied_lr(info)
         if started is not None:  # e.g. offload_nvme: this step's disk traffic
             for t, mark in zip(self.transforms, started.marks):
                 metrics.update(t.step_metrics(state, mark))

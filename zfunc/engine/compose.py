@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..optim import lr as lr_schedules
+from ..optim.reported_lr import update_count
 from .. import compiled, optim
 from ..transforms.accumulate import accumulate
 from .config import OffloadParamConfig
@@ -64,10 +65,13 @@ def build_optimizer(cfg, optimizer, lr_scheduler):
 
 
 def current_lr(cfg, schedule, state) -> list[float]:
-    """The learning rate of the next update (DeepSpeed's ``get_lr``: one per param group)."""
+    """The learning rate of the next update (DeepSpeed's ``get_lr``: one per param group): the
+    schedule at the optimizer's update count, which a skipped step does not advance
+    (zfunc.optim.reported_lr)."""
     if schedule is None:
         return [cfg.optimizer.lr] if cfg.optimizer is not None else []
-    return [float(schedule(int(state.count)))]
+    count = update_count(state.opt_state)
+    return [float(schedule(int(state.count) if count is None else count))]
 
 
 def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,

@@ -3,7 +3,7 @@ and transforms stand on it.
 
 ``base``: the protocols and ``apply_update``; ``combine``: ``chain`` and clipping; ``optimizers``:
 adamw, adam, sgd; ``counts``: their update counts and which parts an update touches; ``lr``: the
-learning-rate schedules."""
+learning-rate schedules; ``reported_lr``: which lr a step reports (``metrics["lr"]``)."""
 from . import lr
 from .base import EmptyState, GradInfo, GradientTransformation, Optimizer, PyTree, apply_update
 from .combine import chain, clip_by_global_norm

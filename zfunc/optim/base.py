@@ -38,12 +38,19 @@ Deferred arithmetic. An optimizer that ``defers`` also takes ``schedule=``, a fu
 ``schedule(i, work)``: it does its bookkeeping (the counts) at once and hands leaf ``i``'s
 arithmetic over as ``work``, to be run later (``offload_cpu`` runs each unit's share behind the
 next forward: zfunc.transforms.offload.host_update).
+
+The step's learning rate. An optimizer that takes ``info`` appends the lr its update uses to
+``info.lrs`` (a list that copies of the info made with ``dataclasses.replace`` share, so a wrapper
+that hands each piece of the state its own copy, offload_nvme's, still reports), and an Optimizer
+carries its schedule as ``lr`` (``step -> lr``, read at the optimizer's own update count: its
+state's ``count``), so the step can say which lr a skipped update would have used
+(zfunc.optim.reported_lr).
 """
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import optree
@@ -69,6 +76,7 @@ class Optimizer(NamedTuple):
     update: Callable[[PyTree, PyTree, PyTree], tuple[PyTree, PyTree]]
     fuses: bool = False  # update takes ``info=`` and ``lowp_params=`` (see the module docstring)
     defers: bool = False  # update takes ``schedule=`` (see the module docstring)
+    lr: Callable[[int], float] | None = None  # its lr schedule, step -> lr (None: it does not say)
 
 
 class EmptyState(NamedTuple):
@@ -91,6 +99,8 @@ class GradInfo:
     # (a unit's gradient holds zeros for the others; they get no update, as torch skips a None .grad);
     # None: every parameter of a unit with a gradient got one
     live: tuple[tuple[bool, ...], ...] | None = None
+    # the lr each optimizer update of the step used, appended by the update (module docstring)
+    lrs: list[float] = field(default_factory=list)
 
     def norm(self, updates) -> float:
         """The global norm of the true gradients (``updates`` times ``scale``)."""

@@ -68,7 +68,8 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
                                         lowp_params=lowp_params, schedule=schedule)
             return params, (*new_state, last)
 
-        return Optimizer(init, update, fuses=True, defers=getattr(transforms[-1], "defers", False))
+        return Optimizer(init, update, fuses=True, defers=getattr(transforms[-1], "defers", False),
+                         lr=getattr(transforms[-1], "lr", None))
 
     def update(updates, state, params=None, *, info=None):
         updates, new_state = transform_grads(updates, state, params, info)

@@ -9,7 +9,8 @@ A ``None`` gradient leaf, or a parameter ``GradInfo.live`` marks without one, is
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
 of updates applied before the current one (0 for the first update), as
 ``torch.optim.lr_scheduler.LambdaLR`` counts. The schedules live in
-:mod:`zfunc.optim.lr`.
+:mod:`zfunc.optim.lr`. Each update appends the lr it used to ``info.lrs`` (zfunc.optim.base);
+the optimizer's ``lr`` field is its schedule.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
         lr = float(schedule_lr(int(opt_state.count)))
         scale = 1.0 if info is None else info.scale
+        if info is not None:
+            info.lrs.append(lr)
 
         def work(groups):
             # One call per distinct step count (one in all but rare steps): the kernel
@@ -99,7 +102,7 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         _run(live_by_step(params, g, steps, info), work, lows, p, g, schedule)
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
-    return Optimizer(init, update, fuses=True, defers=True)
+    return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
 
 
 def sgd(
@@ -136,6 +139,8 @@ def sgd(
         bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
         lr = float(schedule_lr(int(opt_state.count)))
         scale = 1.0 if info is None else info.scale
+        if info is not None:
+            info.lrs.append(lr)
 
         def work(groups):
             for step, parts in groups.items():
@@ -171,7 +176,7 @@ def sgd(
         _run(live_by_step(params, g_all, steps, info), work, lows, p_all, g_all, schedule)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
-    return Optimizer(init, update, fuses=True, defers=True)
+    return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
 
 
 def _run(groups, work, lows, params, grads, schedule) -> None:
