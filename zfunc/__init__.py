@@ -22,7 +22,7 @@ from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDiverg
 from .engine import Engine, RepeatingLoader
 from .engine import config as _configuration
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
-from .grad import apply, grad, value_and_grad
+from .grad import apply, bind, grad, value_and_grad
 from .placement import Placement
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
@@ -34,7 +34,7 @@ from .transforms import (LossScaler, accumulate, jit, mixed_precision, offload_c
 from .tree import Params, UpdateFailed, compile_units
 
 __all__ = [
-    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "checkpoint", "compile_units", "dist", "eval_step",
+    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "compile_units", "dist", "eval_step",
     "gather_params", "grad", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

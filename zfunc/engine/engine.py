@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import checkpoint, compiled, dist
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
-from ..grad import apply, forward as run_forward, materialized, scalar_loss
+from ..grad import Bound, apply, forward as run_forward, materialized, scalar_loss
 from .imperative import Window
 from .loop import Loop
 from ..step import eval_step, train_step
@@ -156,6 +156,13 @@ class Engine(Loop):
         self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
         self._window: Window | None = None  # the imperative style's step in progress (zfunc.engine.imperative)
+
+    @property
+    def module(self) -> Bound:
+        """The model on the engine's current weights (DeepSpeed's ``engine.module``):
+        ``engine.module(x)``, ``engine.module.generate(...)`` each run inside ``zf.bind``, every
+        rank calling them; units gathered as the forward reaches them, no gradients."""
+        return Bound(lambda: self.state, self.model)
 
     # ------------------------------------------------------------------- batches
 
