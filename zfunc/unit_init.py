@@ -13,6 +13,8 @@ initialized at all: each rank reads its own part of it, and nothing else.
 A module's own initialization is, in this order of precedence:
 
 - ``init_fn(module)`` if the user gave one;
+- a peft adapter's tensors (``lora_A``, ``lora_B``, ``ia3_l``): peft's own init of its tuner layer
+  (zfunc.weights.peft_init), lora_B zero as ``get_peft_model`` leaves it;
 - under a Hugging Face ``PreTrainedModel``: transformers' own, as the model built
   normally gets it in ``post_init`` (zfunc.weights.hf_init: the nearest ``PreTrainedModel``'s
   ``_init_weights`` over the module and those above it, children first), which computes
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from . import buffers, compiled
-from .weights import hf_init
+from .weights import hf_init, peft_init
 from .tree import ModelSpec, Segment
 
 
@@ -198,6 +200,7 @@ class _Init:
     def __init__(self, model: nn.Module, init_fn: Callable | None):
         self.init_fn, self.root = init_fn, compiled.owner(model, "")
         self.hf = None if init_fn is not None else hf_init.hf_init(model)
+        self.peft = None if init_fn is not None else peft_init.peft_init(model)
 
     def is_hf(self, module: nn.Module) -> bool:
         return self.hf is not None and self.hf.covers(module)
@@ -206,6 +209,8 @@ class _Init:
         """Initialize the tensors ``made`` of each ``(path, module, made)`` (and the scratch of tied
         aliases, in ``tied``'s modules); raise naming any left unset."""
         touched = [t for t in touched if t[2]]
+        adapters = [t for t in touched if self.peft is not None and self.peft.covers(t[1])]
+        touched = [t for t in touched if not (self.peft is not None and self.peft.covers(t[1]))]
         hf = [module for _, module, _ in touched if self.is_hf(module)]
         if hf:
             self.hf.run(hf + list(tied))
@@ -218,6 +223,8 @@ class _Init:
             else:
                 way = self._own_init(path, module, made)
             _check(path, module, made, way)
+        for path, module, made in adapters:  # after transformers' pass, which must not be their last word
+            _check(path, module, made, self.peft.run(module, [m.attr for m in made]))
 
     def _tie(self, m: "_Made") -> None:
         """The value a tied parameter has once transformers ties it: that of the name its tie keys

@@ -12,6 +12,9 @@ Where the model keeps a tensor in another layout than its checkpoints (transform
 fused experts), transformers' own conversion mapping says which file tensors make it
 (hf_keys), still as byte ranges.
 
+A peft model reads its base tensors from its base model's folder, by the base model's names
+(peft_keys); the adapters' own tensors are not in it, and peft's init makes them (peft_init).
+
 What the files lack or hold beyond the model raises, naming the keys (``strict=False``
 allows both, as ``load_state_dict(strict=False)``: a missing tensor is initialized as
 without weights); so does a tensor whose shape differs from the model's.
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 from .. import compiled
-from . import hf_keys
+from . import hf_keys, peft_keys
 from .safetensors_reader import Reader, TensorInfo, tensors_of
 from ..tree import ModelSpec, Segment
 
@@ -59,17 +62,25 @@ class Weights:
         wanted = _state_dict_shapes(model)
         aliases = _aliases(spec)
         self.buffer_names = set(wanted) - set(spec.parameter_names)
-        sources, missing, unexpected = _match(tensors_of(self.path), model, wanted, aliases, self.buffer_names)
+        files = tensors_of(self.path)
+        names = peft_keys.base_names(model, wanted)  # a peft model: its base tensors by the base model's names
+        if names is None:
+            sources, missing, unexpected = _match(files, model, wanted, aliases, self.buffer_names)
+        else:
+            sources, missing, unexpected = _match_peft(files, model, wanted, aliases, self.buffer_names, names)
+        # the adapters' own tensors: no base folder holds them, peft's init makes them (zfunc.weights.peft_init)
+        self.adapters = set() if names is None else {k for k, b in names.items() if b is None}
+        shown = missing if names is None else [_in_files(k, names) for k in missing]
         if not sources and wanted and (missing or unexpected):
             raise ValueError(
                 f"weights {self.path!r} share no tensor with the model: "
-                f"{_named(unexpected, 'tensors the files hold')}; {_named(missing, 'tensors the model needs')}. "
+                f"{_named(unexpected, 'tensors the files hold')}; {_named(shown, 'tensors the model needs')}. "
                 "Names are the model's state_dict names: load the files into the model they were saved from "
-                "(a peft model: into its base model, before get_peft_model), or rename the files' keys")
+                "(a peft model: its base model's folder), or rename the files' keys")
         if strict and (missing or unexpected):
             raise ValueError(
                 f"weights {self.path!r} do not match the model: "
-                f"{_named(missing, 'tensors the model needs but the files lack')}; "
+                f"{_named(shown, 'tensors the model needs but the files lack')}; "
                 f"{_named(unexpected, 'tensors the files hold but the model has not')}. Names are the model's "
                 "state_dict names; pass strict=False to load what matches (the missing ones are initialized "
                 "as without weights)")
@@ -89,7 +100,7 @@ class Weights:
             warnings.warn(WeightsMismatch(
                 f"weights {self.path!r} (strict=False): {len(self.sources)} of the model's "
                 f"{len(aliases) + len(self.buffer_names)} tensors read; "
-                f"{_named(missing, 'missing (initialized as without weights)')}; "
+                f"{_named(shown, 'missing (initialized as without weights)')}; "
                 f"{_named(unexpected, 'unexpected (not read)')}", self.incompatible), stacklevel=_caller())
 
     def holds(self, seg: Segment) -> bool:
@@ -166,6 +177,30 @@ def _match(files: dict[str, TensorInfo], model: nn.Module, wanted: dict, aliases
     unexpected = sorted(set(files) - used - hf_keys.ignored(model, files, "unexpected"))
     missing = [k for k in missing if k not in hf_keys.ignored(model, missing, "missing")]
     return sources, missing, unexpected
+
+
+def _match_peft(files: dict[str, TensorInfo], model: nn.Module, wanted: dict, aliases: dict, buffer_names: set,
+                names: dict[str, str | None]):
+    """``_match`` for a peft model (zfunc.weights.peft_keys): its base tensors matched by their names in
+    the base model (a ``modules_to_save`` copy reads the original's), through the base model's own
+    mapping; the adapters' tensors are neither read nor missing."""
+    base = peft_keys.base_model(model)
+    base_wanted: dict[str, tuple[int, ...]] = {}
+    for key, shape in wanted.items():
+        if names[key] is not None:
+            base_wanted.setdefault(names[key], shape)
+    base_buffers = {names[b] for b in buffer_names if names[b] is not None}
+    found, _, unexpected = _match(files, base, base_wanted, {b: [b] for b in base_wanted if b not in base_buffers},
+                                  base_buffers)
+    sources = {k: found[b] for k, b in names.items() if b is not None and b in found}
+    ignored = hf_keys.ignored(base, set(base_wanted), "missing")
+    missing = [k for k in _missing(aliases, buffer_names, sources) if names[k] is not None and names[k] not in ignored]
+    return sources, missing, unexpected
+
+
+def _in_files(key: str, names: dict[str, str | None]) -> str:
+    """A peft model's key as an error names it: with the base model's name the files would hold it by."""
+    return key if names[key] == key else f"{names[key]} (in the peft model: {key})"
 
 
 def _caller() -> int:
