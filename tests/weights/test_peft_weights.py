@@ -169,6 +169,40 @@ def test_each_peft_name_maps_to_its_base_models_or_is_an_adapter(kind, method):
     assert base_names(build(kind, "meta"), base_keys) is None
 
 
+def load_base_and_adapter(kind: str, method: str, paths: list) -> dict:
+    """On each rank: the meta-built peft model's zero3 state read from the base folder and the adapter folder."""
+    state = zf.zero3(zf.train_step(lambda p, x: 0, zf.optim.adamw(LR))).init(meta_peft(kind, method), weights=paths)
+    out = zf.gather_params(state)
+    state.close()
+    return out
+
+
+@pytest.mark.parametrize("kind,method,world", [("llama", "lora", 2), pytest.param("gpt2", "ia3", 1, marks=pytest.mark.slow)])
+def test_an_adapter_folder_loads_over_its_base(kind, method, world, folder, tmp_path):
+    """``weights=[BASE, ADAPTER]``: the folder ``PeftModel.save_pretrained`` writes (adapter weights without
+    the adapter's name, modules_to_save copies) read over the base, every tensor bit for bit; an adapter
+    tensor the folder lacks is named."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder(kind))
+    model = peft.get_peft_model(base, peft_config(kind, method))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p))
+    model.save_pretrained(str(tmp_path / "adapter"))
+    want = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for got in workers(world).run(load_base_and_adapter, kind, method, [folder(kind), str(tmp_path / "adapter")]):
+        assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    holed = _rewrite(str(tmp_path / "adapter"), tmp_path / "holed", lambda t: {k: v for k, v in t.items()
+                                                                             if ".0.self_attn.v_proj.lora_B" not in k})
+    with pytest.raises(ValueError, match=r"2 paths given, but the model is no peft model"):
+        zf.train_step(lambda p, x: 0, zf.optim.adamw(LR)).init(build(kind, "meta"), weights=[folder(kind), holed])
+    if method == "lora":
+        with pytest.raises(ValueError, match=r"files lack: 'base_model\.model\.model\.layers\.0\.self_attn\.v_proj"
+                                             r"\.lora_B\.default\.weight \(an adapter tensor, which the adapter folders lack\)'"):
+            zf.train_step(lambda p, x: 0, zf.optim.adamw(LR)).init(meta_peft(kind, method), weights=[folder(kind), holed])
+
+
 def test_a_base_tensor_missing_from_the_folder_is_named(folder, tmp_path):
     """A missing base tensor raises, naming it by the files' name and the peft model's; no strict=False
     hole: the adapters' tensors are never among the missing."""

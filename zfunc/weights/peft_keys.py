@@ -89,3 +89,38 @@ def _base_name(module: nn.Module, parts: list[str], layer_cls, wrapper_cls) -> s
     if isinstance(module, layer_cls) and not (wrapper_cls is not None and isinstance(module, wrapper_cls)):
         return None  # a tensor the tuner layer owns directly
     return ".".join(kept + parts[-1:])
+
+
+def adapter_file_names(model: nn.Module, keys) -> dict[str, str]:
+    """Each of ``keys`` that an adapter folder holds (an adapter's tensor, a ``modules_to_save`` copy) ->
+    its name in the ``adapter_model.safetensors`` that ``PeftModel.save_pretrained`` writes: the key
+    without its adapter's name (``lora_A.default.weight`` is ``lora_A.weight`` there; a wrapper's copy
+    is named as its ``adapter_state_dict_load_map`` says)."""
+    found = tuner(model)
+    path, peft_tuner = found
+    prefix = f"{path}.model." if path else "model."
+    _, layer_cls, wrapper_cls = _peft()
+    out = {}
+    for key in keys:
+        parts = key[len(prefix):].split(".")
+        module, i = peft_tuner.model, 0
+        while i < len(parts) - 1:
+            part = parts[i]
+            child = module._modules.get(part)
+            if wrapper_cls is not None and isinstance(module, wrapper_cls):  # peft's own map of its saved names
+                saved = {loaded: name for adapter in peft_tuner.peft_config
+                         for name, loaded in module.adapter_state_dict_load_map(adapter).items()}
+                rest = ".".join(parts[i:])
+                if rest in saved:
+                    out[key] = ".".join([prefix.rstrip("."), *parts[:i], saved[rest]])
+                    break
+            if isinstance(module, layer_cls) and part != "base_layer" and part in module.adapter_layer_names:
+                adapter = parts[i + 1] if isinstance(child, (nn.ModuleDict, nn.ParameterDict)) else None
+                if adapter is not None:
+                    out[key] = ".".join([prefix.rstrip("."), *parts[: i + 1], *parts[i + 2 :]])
+                break
+            if child is None:
+                break
+            module, i = child, i + 1
+    return out
+

@@ -13,7 +13,9 @@ fused experts), transformers' own conversion mapping says which file tensors mak
 (hf_keys), still as byte ranges.
 
 A peft model reads its base tensors from its base model's folder, by the base model's names
-(peft_keys); the adapters' own tensors are not in it, and peft's init makes them (peft_init).
+(peft_keys); the adapters' own tensors are not in it, and peft's init makes them (peft_init), unless
+``weights=[BASE, ADAPTER, ...]`` names the folders ``PeftModel.save_pretrained`` wrote: each adapter
+tensor (and ``modules_to_save`` copy) is then read from them, by peft's saved names.
 
 What the files lack or hold beyond the model raises, naming the keys (``strict=False``
 allows both, as ``load_state_dict(strict=False)``: a missing tensor is initialized as
@@ -58,18 +60,27 @@ class Weights:
     """A checkpoint opened against a model: each of the model's tensors' pieces in the files."""
 
     def __init__(self, path, model: nn.Module, spec: ModelSpec, strict: bool = True):
+        path, *adapter_paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
         self.path = os.fspath(path)
         wanted = _state_dict_shapes(model)
         aliases = _aliases(spec)
         self.buffer_names = set(wanted) - set(spec.parameter_names)
         files = tensors_of(self.path)
         names = peft_keys.base_names(model, wanted)  # a peft model: its base tensors by the base model's names
+        if names is None and adapter_paths:
+            raise ValueError(f"weights: {len(adapter_paths) + 1} paths given, but the model is no peft model: a list "
+                             "is a base model's folder then peft adapter folders (PeftModel.save_pretrained's)")
         if names is None:
             sources, missing, unexpected = _match(files, model, wanted, aliases, self.buffer_names)
         else:
             sources, missing, unexpected = _match_peft(files, model, wanted, aliases, self.buffer_names, names)
-        # the adapters' own tensors: no base folder holds them, peft's init makes them (zfunc.weights.peft_init)
-        self.adapters = set() if names is None else {k for k, b in names.items() if b is None}
+        for adapter in adapter_paths:  # the adapters' tensors, and modules_to_save copies, over the base's
+            unexpected += _match_adapter(os.fspath(adapter), model, wanted, sources)
+        if adapter_paths:
+            missing = [k for k in _missing(aliases, self.buffer_names, sources)
+                       if k in missing or names[k] is None]
+        # a peft model's adapter tensors are never missing from a base folder (peft's init makes them:
+        # zfunc.weights.peft_init), only from adapter folders given
         shown = missing if names is None else [_in_files(k, names) for k in missing]
         if not sources and wanted and (missing or unexpected):
             raise ValueError(
@@ -198,8 +209,22 @@ def _match_peft(files: dict[str, TensorInfo], model: nn.Module, wanted: dict, al
     return sources, missing, unexpected
 
 
+def _match_adapter(path: str, model: nn.Module, wanted: dict, sources: dict) -> list[str]:
+    """Sources from the adapter folder ``path`` (``adapter_model.safetensors``, by peft's saved names:
+    zfunc.weights.peft_keys.adapter_file_names) for the keys it holds; the tensors it holds that no key takes."""
+    files = tensors_of(path)
+    taken = set()
+    for key, name in peft_keys.adapter_file_names(model, wanted).items():
+        if name in files:
+            sources[key] = [(files[name], 0, files[name].numel)]
+            taken.add(name)
+    return sorted(set(files) - taken)
+
+
 def _in_files(key: str, names: dict[str, str | None]) -> str:
     """A peft model's key as an error names it: with the base model's name the files would hold it by."""
+    if names[key] is None:
+        return f"{key} (an adapter tensor, which the adapter folders lack)"
     return key if names[key] == key else f"{names[key]} (in the peft model: {key})"
 
 

@@ -25,6 +25,7 @@ import torch
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+ADAPTER = "adapter_model.safetensors"
 MAX_HEADER = 100 << 20  # as the safetensors library: a larger header is damage, not a model
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -65,8 +66,10 @@ def _locate(path) -> tuple[list[str], str | None, dict]:
             return _index(os.path.join(path, INDEX))
         if os.path.exists(os.path.join(path, SINGLE)):
             return [os.path.join(path, SINGLE)], None, {}
-        raise SafetensorsError(f"folder {path!r} holds neither {SINGLE} nor {INDEX}: pass the folder "
-                               "save_pretrained wrote, an index file, or one .safetensors file")
+        if os.path.exists(os.path.join(path, ADAPTER)):  # peft's PeftModel.save_pretrained
+            return [os.path.join(path, ADAPTER)], None, {}
+        raise SafetensorsError(f"folder {path!r} holds neither {SINGLE} nor {INDEX} (nor peft's {ADAPTER}): pass "
+                               "the folder save_pretrained wrote, an index file, or one .safetensors file")
     if not os.path.exists(path):
         raise SafetensorsError(f"weights {path!r} do not exist")
     if path.endswith(".json"):
