@@ -128,6 +128,8 @@ class _materialized:
                     module._parameters[attr] = new = nn.Parameter(storage, requires_grad=p.requires_grad)
                     if self.weights is not None and self.weights.holds_tensor(f"{path}.{attr}" if path else attr):
                         hf_init.mark_loaded(new)  # the files' values go over it: no init
+                        if self.init.peft is not None:  # peft's inits may read the base (DoRA's magnitude)
+                            self.weights.read_tensor(f"{path}.{attr}" if path else attr, new.data)
                         continue
                     made.append(_Made(module, "_parameters", attr, new, self._scratch(p, aliases, tied)))
                 made += _materialize_buffers(module, self.device, path, self.weights)

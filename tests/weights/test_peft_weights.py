@@ -2,7 +2,8 @@
 
 ``get_peft_model`` renames the base tensors (``base_model.model.`` prefix, ``base_layer`` infix,
 ``modules_to_save`` copies); ``step.init(peft_model, weights=BASE_FOLDER)`` reads each of them bit for
-bit, and peft's own init makes the adapters (lora_B zero, lora_A kaiming-uniform; ia3_l ones).
+bit, and peft's own init makes the adapters (lora_B zero, lora_A kaiming-uniform, DoRA's magnitude the
+base weight's norm; ia3_l ones), or an adapter folder holds them.
 Training under zero3 equals plain peft training of ``from_pretrained`` + ``get_peft_model`` started
 from the same adapter values; only the adapters carry optimizer state."""
 import math
@@ -119,12 +120,14 @@ def assert_peft_init(method: str, loaded: dict) -> None:
                 bound = 1 / math.sqrt(v.shape[1])
                 assert v.abs().max() <= bound and v.abs().max() > 0.7 * bound, k
                 assert v.std() > 0.3 * bound, k  # uniform: std = bound / sqrt(3)
+        elif "ia3_l" in k:
+            assert torch.equal(v, torch.ones_like(v)), k
         else:
-            assert "ia3_l" in k and torch.equal(v, torch.ones_like(v)), k
+            assert "lora_magnitude_vector" in k and v.min() > 0, k
 
 
-CASES = [("llama", "lora", 2), ("gpt2", "ia3", 1), ("gpt2", "lora", 1), ("qwen2", "lora", 2), ("llama", "ia3", 2),
-         ("qwen2", "gaussian", 1), ("gpt2", "lora", 3)]
+CASES = [("llama", "lora", 2), ("gpt2", "dora", 1), ("gpt2", "ia3", 1), ("gpt2", "lora", 1), ("qwen2", "lora", 2),
+         ("llama", "ia3", 2), ("qwen2", "gaussian", 1), ("gpt2", "lora", 3), ("llama", "dora", 2)]
 FAST = 2  # the first cases; the others are slow (each family and method at W = 1, 2 and 3 between them)
 
 
@@ -139,7 +142,7 @@ def test_peft_on_meta_loads_its_base_and_trains_like_plain_peft(kind, method, wo
     loaded = results[0]["loaded"]
     plain = plain_peft(kind, method, path, loaded, steps, 2 * world)
     for k, v in loaded.items():
-        if not is_adapter(k):
+        if not is_adapter(k) or "lora_magnitude_vector" in k:  # DoRA's magnitude: the base's norm, as peft's
             assert torch.equal(v, plain["base"][k]), k
     assert_peft_init(method, loaded)
     for r in results:
@@ -231,8 +234,12 @@ def test_only_the_adapters_get_optimizer_state(folder):
     state.close()
 
 
-def test_dora_on_meta_is_refused_naming_why(folder):
-    """DoRA's magnitude is the base weight's norm, which the meta-built adapters' init cannot see."""
+def test_an_init_zfunc_cannot_repeat_on_meta_is_refused_naming_it(folder):
+    """A LoRA init that is a decomposition of the base weights (OLoRA, PiSSA, ...) is refused, naming the
+    layer and the init, where it would otherwise be left to transformers' init."""
+    model = meta_peft("llama", "lora")
+    model.peft_config["default"].init_lora_weights = "olora"
     step = zf.train_step(lambda p, x: 0, zf.optim.adamw(LR))
-    with pytest.raises(ValueError, match=r"DoRA \(its magnitude is the base weight's norm\)"):
-        step.init(meta_peft("llama", "dora"), weights=folder("llama"))
+    with pytest.raises(ValueError, match=r"peft layer .*layers\.0\.self_attn\.q_proj \(Linear\): "
+                                         r"init_lora_weights='olora' is computed from the base weights"):
+        step.init(model, weights=folder("llama"))

@@ -5,14 +5,16 @@
 a ``PreTrainedModel``) LoRA's ``lora_B`` would start random where peft starts it at zero. zfunc calls
 the tuner layer's own reset instead, with the adapter's config, once the unit's adapter tensors have
 storage: LoRA (``init_lora_weights`` True: ``lora_A`` kaiming-uniform, ``lora_B`` zero; "gaussian";
-False: ``nn.Linear``'s own init for both) and IA3 (``ia3_l`` ones). Inits that read the base
-weights (DoRA's magnitude, PiSSA, OLoRA, ...) or another tuner's raise, naming it and what to do.
+False: ``nn.Linear``'s own init for both; DoRA's magnitude from the base weight, which zfunc reads
+before the unit's init) and IA3 (``ia3_l`` ones). Other inits that read the base weights (PiSSA,
+OLoRA, ...) or another tuner's raise, naming it and what to do.
 """
 from __future__ import annotations
 
 import inspect
 import sys
 
+import torch
 from torch import nn
 
 from .. import compiled
@@ -56,11 +58,9 @@ def _reset(path: str, layer: nn.Module, adapter: str, config) -> None:
     kind = type(layer).__name__
     if hasattr(layer, "reset_lora_parameters") and hasattr(config, "init_lora_weights"):
         init = config.init_lora_weights
-        if getattr(config, "use_dora", False) or not (init is True or init is False or init == "gaussian"):
-            what = "DoRA (its magnitude is the base weight's norm)" if getattr(config, "use_dora", False) \
-                else f"init_lora_weights={init!r}"
+        if not (init is True or init is False or init == "gaussian"):
             raise ValueError(
-                f"peft layer {path} ({kind}): {what} is computed from the base weights, which zfunc does not "
+                f"peft layer {path} ({kind}): init_lora_weights={init!r} is computed from the base weights, which zfunc does not "
                 "hold while it initializes a meta-built model's adapters: use init_lora_weights True, 'gaussian' "
                 "or False, or build the peft model on a real device (get_peft_model on from_pretrained's model)")
         if init is False:  # peft keeps what the adapters' constructors drew
@@ -75,6 +75,8 @@ def _reset(path: str, layer: nn.Module, adapter: str, config) -> None:
             layer.reset_lora_parameters(adapter)
         else:
             layer.reset_lora_parameters(adapter, init)
+        if adapter in getattr(layer, "lora_magnitude_vector", {}):
+            _dora_magnitude(path, layer, adapter)
         return
     if hasattr(layer, "reset_ia3_parameters") and getattr(config, "init_ia3_weights", None) is True:
         layer.reset_ia3_parameters(adapter)
@@ -84,6 +86,22 @@ def _reset(path: str, layer: nn.Module, adapter: str, config) -> None:
         "peft's init only for LoRA (init_lora_weights True, 'gaussian' or False) and IA3 (init_ia3_weights=True): "
         "build the peft model on a real device (get_peft_model on from_pretrained's model), or pass "
         "step.init(model, init_fn=fn)")
+
+
+def _dora_magnitude(path: str, layer: nn.Module, adapter: str) -> None:
+    """DoRA's magnitude as peft's ``DoraLinearLayer.update_layer`` computes it (the norm of the base weight
+    plus the scaled ``lora_B @ lora_A``), into the adapter's own tensor: the base weight is read from the
+    files before the unit's init (zfunc.unit_init) where it is in the same unit."""
+    base = layer.get_base_layer()
+    if base.weight.is_meta or torch.isnan(base.weight).any():
+        raise ValueError(f"peft layer {path} ({type(layer).__name__}): DoRA's magnitude is the base weight's norm, "
+                         "but the base weight is in another unit or not in the files: put the layer and its "
+                         "base in one unit, or build the peft model on a real device")
+    magnitude = layer.lora_magnitude_vector[adapter]
+    made = type(magnitude)(fan_in_fan_out=getattr(layer, "fan_in_fan_out", False))
+    made.update_layer(base_layer=base, lora_A=layer.lora_A[adapter].weight, lora_B=layer.lora_B[adapter].weight,
+                      scaling=layer.scaling[adapter])
+    magnitude.weight.copy_(made.weight)
 
 
 def _arguments(method) -> int:

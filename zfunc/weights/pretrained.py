@@ -147,6 +147,10 @@ class Weights:
     def holds_buffer(self, name: str) -> bool:
         return name in self.sources and name in self.buffer_names
 
+    def read_tensor(self, name: str, out: torch.Tensor) -> None:
+        """Parameter (by its first name) or buffer ``name``'s values from the files into ``out``."""
+        self.read_buffer(name, out)
+
     def read_buffer(self, name: str, out: torch.Tensor) -> None:
         """Buffer ``name``'s values from the files into ``out`` (cast to its dtype)."""
         host = torch.empty(out.shape, dtype=out.dtype)
