@@ -225,8 +225,10 @@ class _Init:
             else:
                 way = self._own_init(path, module, made)
             _check(path, module, made, way)
-        for path, module, made in adapters:  # after transformers' pass, which must not be their last word
-            _check(path, module, made, self.peft.run(module, [m.attr for m in made]))
+        if adapters:  # after transformers' pass, which must not be their last word
+            ways = self.peft.run([(module, [m.attr for m in made]) for _, module, made in adapters])
+            for (path, module, made), way in zip(adapters, ways):
+                _check(path, module, made, way)
 
     def _tie(self, m: "_Made") -> None:
         """The value a tied parameter has once transformers ties it: that of the name its tie keys

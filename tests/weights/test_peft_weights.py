@@ -243,3 +243,22 @@ def test_an_init_zfunc_cannot_repeat_on_meta_is_refused_naming_it(folder):
     with pytest.raises(ValueError, match=r"peft layer .*layers\.0\.self_attn\.q_proj \(Linear\): "
                                          r"init_lora_weights='olora' is computed from the base weights"):
         step.init(model, weights=folder("llama"))
+
+
+
+def test_lora_init_is_peft_reset_under_the_same_seed(folder):
+    """With the base read from the files nothing else draws: zfunc's adapters are, bit for bit, peft's
+    ``reset_lora_parameters`` run over the layers in module order from the same seed (a model that
+    get_peft_model builds on the CPU differs only because its constructors draw first)."""
+    model, path = meta_peft("llama", "lora"), folder("llama")  # build() seeds: before ours
+    torch.manual_seed(11)
+    state = zf.zero3(zf.train_step(lambda p, x: 0, zf.optim.adamw(LR))).init(model, weights=path)
+    got = zf.gather_params(state)
+    state.close()
+    plain = peft.get_peft_model(build("llama"), peft_config("llama", "lora"))
+    torch.manual_seed(11)
+    for _, m in plain.named_modules():
+        if isinstance(m, peft.tuners.lora.LoraLayer):
+            m.reset_lora_parameters("default", True)
+    want = {k: v for k, v in plain.named_parameters() if "lora_" in k}
+    assert len(want) == 8 and all(torch.equal(got[k], v) for k, v in want.items())

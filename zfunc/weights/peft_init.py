@@ -42,16 +42,22 @@ class PeftInit:
     def covers(self, module: nn.Module) -> bool:
         return id(module) in self.owner
 
-    def run(self, module: nn.Module, slots: list[str]) -> str:
-        """peft's init of the adapters ``module`` holds (its tensors ``slots``); the init's name."""
-        path, layer, adapter = self.owner[id(module)]
-        for name in [adapter] if adapter is not None else slots:
-            config = self.configs.get(name)
-            if config is None:
-                raise ValueError(f"peft layer {path} ({type(layer).__name__}) holds adapter {name!r}, which no peft "
-                                 "config names: add adapters through the peft model (add_adapter)")
-            _reset(path, layer, name, config)
-        return f"peft's {type(layer).__name__} init"
+    def run(self, modules: list[tuple[nn.Module, list[str]]]) -> list[str]:
+        """peft's init of the adapters each ``(module, its tensors' slots)`` holds, each adapter of a
+        layer once (its reset writes all of its tensors); the init's name for each."""
+        done, ways = set(), []
+        for module, slots in modules:
+            path, layer, adapter = self.owner[id(module)]
+            for name in [adapter] if adapter is not None else slots:
+                config = self.configs.get(name)
+                if config is None:
+                    raise ValueError(f"peft layer {path} ({type(layer).__name__}) holds adapter {name!r}, which no "
+                                     "peft config names: add adapters through the peft model (add_adapter)")
+                if (id(layer), name) not in done:
+                    done.add((id(layer), name))
+                    _reset(path, layer, name, config)
+            ways.append(f"peft's {type(layer).__name__} init")
+        return ways
 
 
 def _reset(path: str, layer: nn.Module, adapter: str, config) -> None:
