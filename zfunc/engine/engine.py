@@ -176,6 +176,7 @@ class Engine(Loop):
         if data_iter is None:
             raise ValueError("train_batch needs data_iter: an iterator over micro-batches (e.g. iter(RepeatingLoader(loader)))")
         return self._next_micro_batches(data_iter)
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step on the next ``gradient_accumulation_steps`` micro-batches; the mean loss."""
         self._no_step_in_progress("train_batch")
