@@ -185,7 +185,9 @@ class Step:
         files, cast to the model's dtype (zfunc.weights); the model may be
         built on the meta device. Keys the files lack or hold beyond the model
         raise, unless ``strict=False`` (the missing ones are then initialized as
-        without weights).
+        without weights). A peft model loads its base from the base model's own
+        folder (its adapters start as peft starts them), or ``weights=[BASE,
+        ADAPTER, ...]`` reads the folders ``PeftModel.save_pretrained`` wrote too.
 
         With ``free_model`` (the default) the model's parameters are replaced
         by stand-ins that hold no storage: the state owns the weights now;
