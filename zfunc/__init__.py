@@ -94,7 +94,7 @@ class _MovedModules(_abc.MetaPathFinder, _abc.Loader):
         return _importlib.import_module(_MOVED[spec.name])
 
     def exec_module(self, module):
-        pass
+        """Nothing to run: ``create_module`` returned the new module, already imported."""
 
 
 _sys.meta_path.append(_MovedModules())

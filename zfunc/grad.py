@@ -104,25 +104,7 @@ class ParamView(Mapping):
         self._wrapped = {}
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
-        if id(model) not in self._checked:
-            self.spec.check_model(model)
-            self._checked.add(id(model))
-            # a model that kept its parameters (init(free_model=False)) gets stand-ins
-            # until the step is over, so every read of a weight sees the state's value
-            self._own_params += lazy.install_stand_ins(model, self.spec.canonical_name)
-        root, sites = _sites(model, self.spec)
-        handles = []
-        for name, module, slots in sites:
-            if compiled.is_wrapped(model) and not compiled.is_compiled(module):
-                compiled.compile_like(model, module)  # once: the unit keeps its compiled code
-            if compiled.is_compiled(module):
-                # a compiled block stays attached for the whole step: an activation checkpoint
-                # recomputing it in backward must not show dynamo the stand-ins (another graph)
-                if id(module) not in self._wrapped:
-                    fill = _UnitSlots(self, name, slots)
-                    self._wrapped[id(module)] = fill.hook(module) if compiled.is_wrapped(module) else fill.wrap(module)
-            else:
-                handles.append(_UnitSlots(self, name, slots).hook(module))
+        root, handles = self.hook_units(model)
         if compiled.is_wrapped(model):
             compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
         if self.input_dtype is not None:
@@ -143,6 +125,31 @@ class ParamView(Mapping):
             self.close_scope()
             for h in handles:
                 h()
+
+    def hook_units(self, model: nn.Module) -> tuple[tuple, list[Callable[[], None]]]:
+        """Make each unit's module fill its parameter slots from this view as it runs: the root
+        unit's ``(name, real name)`` pairs, and what detaches the hooks (a compiled block stays
+        attached until ``restore_models``). The model is checked once per view."""
+        if id(model) not in self._checked:
+            self.spec.check_model(model)
+            self._checked.add(id(model))
+            # a model that kept its parameters (init(free_model=False)) gets stand-ins
+            # until the step is over, so every read of a weight sees the state's value
+            self._own_params += lazy.install_stand_ins(model, self.spec.canonical_name)
+        root, sites = _sites(model, self.spec)
+        handles = []
+        for name, module, slots in sites:
+            if compiled.is_wrapped(model) and not compiled.is_compiled(module):
+                compiled.compile_like(model, module)  # once: the unit keeps its compiled code
+            if compiled.is_compiled(module):
+                # a compiled block stays attached for the whole step: an activation checkpoint
+                # recomputing it in backward must not show dynamo the stand-ins (another graph)
+                if id(module) not in self._wrapped:
+                    fill = _UnitSlots(self, name, slots)
+                    self._wrapped[id(module)] = fill.hook(module) if compiled.is_wrapped(module) else fill.wrap(module)
+            else:
+                handles.append(_UnitSlots(self, name, slots).hook(module))
+        return root, handles
 
 
 _SITES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -268,7 +275,6 @@ def bind(state, model: nn.Module):
                         " (an Engine's model on its weights is engine.module)")
     params, frozen = state.params, state.frozen
     spec = params.spec.model
-    spec.check_model(model)
     check_usable(state, collective=any(params.spec.sharded) or any(frozen.spec.sharded))
     tracker = Tracker()  # tracker.run stays None: the coordinator neither prefetches nor records
     trainable = Materializer(params, tracker)
@@ -277,12 +283,7 @@ def bind(state, model: nn.Module):
     view = ParamView(spec, trainable, frozen_units, buffers)
     undo: list[Callable[[], None]] = []
     try:
-        view._own_params += lazy.install_stand_ins(model, spec.canonical_name)  # init(free_model=False)
-        _, sites = _sites(model, spec)
-        for name, module, slots in sites:
-            fill = _UnitSlots(view, name, slots)
-            undo.append(fill.wrap(module) if compiled.is_compiled(module) and not compiled.is_wrapped(module)
-                        else fill.hook(module))
+        undo += view.hook_units(model)[1]  # checks the model; the root unit resolves through its stand-ins
         undo.append(_swap_buffers(model, buffers))
         undo.append(_root_scope(model, view))
         with torch.no_grad(), lazy.resolving(view):

@@ -3,12 +3,12 @@ evaluation during training. Each test compares with plain Hugging Face / PyTorch
 weights ``zf.gather_params`` reads, and training after a bind block with training without one."""
 import pytest
 import torch
+import transformers
 
 import zfunc as zf
 import zfunc.materialize
 from workers import workers
 
-transformers = pytest.importorskip("transformers")  # the [test] extra installs it
 VOCAB = 50
 
 
