@@ -11,6 +11,9 @@ of updates applied before the current one (0 for the first update), as
 ``torch.optim.lr_scheduler.LambdaLR`` counts. The schedules live in
 :mod:`zfunc.optim.lr`. Each update appends the lr it used to ``info.lrs`` (zfunc.optim.base);
 the optimizer's ``lr`` field is its schedule.
+
+``groups``: per-parameter hyperparameters, ``torch.optim``'s param groups (zfunc.optim.groups); every
+hyperparameter, a group's or the optimizer's own, is a number or a schedule ``step -> value``.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from .base import GradInfo, Optimizer, PyTree
 from .counts import Part, counts_like, live_by_step, zero_count, zero_steps
+from .groups import Labels, at, resolve
 from .lr import ScalarOrSchedule, as_schedule
 from ..ops import adam as fused_adam
 from ..pytree import NAMESPACE, format_path, tree_flatten, tree_map
@@ -44,9 +48,11 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    groups=(),
 ) -> Optimizer:
-    """AdamW, the math of ``torch.optim.AdamW``: decay applied to the weights."""
-    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True)
+    """AdamW, the math of ``torch.optim.AdamW``: decay applied to the weights. ``groups``: the
+    parameters that use other values (``zf.optim.group``: ``lr``, ``betas``, ``eps``, ``weight_decay``)."""
+    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True, groups=groups)
 
 
 def adam(
@@ -54,23 +60,34 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    groups=(),
 ) -> Optimizer:
-    """Adam, the math of ``torch.optim.Adam``: decay added to the gradient (L2)."""
-    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False)
+    """Adam, the math of ``torch.optim.Adam``: decay added to the gradient (L2). ``groups``: as
+    :func:`adamw`'s."""
+    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False, groups=groups)
 
 
-def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
+def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=()) -> Optimizer:
     schedule_lr = as_schedule(name, lr)
-    beta1, beta2 = betas
-    for label, b in (("betas[0]", beta1), ("betas[1]", beta2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{name}: {label} must be in [0, 1), got {b}")
-    if not eps >= 0.0:
-        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
+    def check(h):
+        if not callable(h["lr"]):
+            as_schedule(name, h["lr"])
+        if not isinstance(h["betas"], (tuple, list)) or len(h["betas"]) != 2:
+            raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got {h['betas']!r}")
+        for label, b in zip(("betas[0]", "betas[1]"), h["betas"]):
+            if not callable(b) and not 0.0 <= b < 1.0:
+                raise ValueError(f"{name}: {label} must be in [0, 1), got {b}")
+        for key in ("eps", "weight_decay"):
+            if not callable(h[key]) and not h[key] >= 0.0:
+                raise ValueError(f"{name}: {key} must be >= 0, got {h[key]}")
+
+    hypers = resolve(name, {"lr": lr, "betas": tuple(betas) if isinstance(betas, list) else betas, "eps": eps,
+                            "weight_decay": weight_decay}, groups, check)
+    labels = Labels(name, groups)
 
     def init(params):
+        labels.check_names(params)
         return AdamState(zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params),
                          zero_steps(params))
 
@@ -81,25 +98,27 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled) -> Optimizer:
         nu = _leaves_like(opt_state.nu, "opt_state.nu", p, spec, params)
         steps = counts_like(opt_state.steps, p, spec)
         lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
+        hs = _hyper_at(hypers, int(opt_state.count), check)
         lr = float(schedule_lr(int(opt_state.count)))
         scale = 1.0 if info is None else info.scale
         if info is not None:
             info.lrs.append(lr)
 
         def work(groups):
-            # One call per distinct step count (one in all but rare steps): the kernel
-            # takes mixed devices and storage (bf16 params with fp32 moments, fp16
-            # grads), does the math in fp32, multiplies the gradients by the step's
-            # scale as it reads them and writes the low-precision copies.
-            for step, parts in groups.items():
+            # One call per distinct step count and group (one in all but rare steps without
+            # groups): the kernel takes mixed devices and storage (bf16 params with fp32
+            # moments, fp16 grads), does the math in fp32, multiplies the gradients by the
+            # step's scale as it reads them and writes the low-precision copies.
+            for (step, label), parts in groups.items():
+                h = hs[label]
                 pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
                 fused_adam.adam_update_(
-                    pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=lr, beta1=beta1, beta2=beta2,
-                    eps=eps, weight_decay=weight_decay, decoupled=decoupled, grad_scale=scale,
-                    lowp_params=None if lows is None else pick(lows),
+                    pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=h["lr"], beta1=h["betas"][0],
+                    beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], decoupled=decoupled,
+                    grad_scale=scale, lowp_params=None if lows is None else pick(lows),
                 )
 
-        _run(live_by_step(params, g, steps, info), work, lows, p, g, schedule)
+        _run(labels.split(live_by_step(params, g, steps, info), params), work, lows, p, g, schedule)
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
     return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
@@ -111,24 +130,37 @@ def sgd(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     dampening: float = 0.0,
+    groups=(),
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum, the math of ``torch.optim.SGD``.
 
-    The first update initialises each momentum buffer to the gradient, as torch does.
+    The first update initialises each momentum buffer to the gradient, as torch does. ``groups``:
+    the parameters that use other values (``zf.optim.group``: ``lr``, ``momentum``,
+    ``weight_decay``, ``nesterov``, ``dampening``).
     """
     schedule_lr = as_schedule("sgd", lr)
-    if not momentum >= 0.0:
-        raise ValueError(f"sgd: momentum must be >= 0, got {momentum}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"sgd: weight_decay must be >= 0, got {weight_decay}")
-    if nesterov and (momentum <= 0.0 or dampening != 0.0):
-        raise ValueError(
-            f"sgd: nesterov=True needs momentum > 0 and dampening == 0, got "
-            f"momentum={momentum}, dampening={dampening}"
-        )
+
+    def check(h):
+        if not callable(h["lr"]):
+            as_schedule("sgd", h["lr"])
+        for key in ("momentum", "weight_decay"):
+            if not callable(h[key]) and not h[key] >= 0.0:
+                raise ValueError(f"sgd: {key} must be >= 0, got {h[key]}")
+        if h["nesterov"] and not callable(h["momentum"]) and not callable(h["dampening"]) and (
+                h["momentum"] <= 0.0 or h["dampening"] != 0.0):
+            raise ValueError(
+                f"sgd: nesterov=True needs momentum > 0 and dampening == 0, got "
+                f"momentum={h['momentum']}, dampening={h['dampening']}"
+            )
+
+    hypers = resolve("sgd", {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov,
+                             "dampening": dampening}, groups, check)
+    labels = Labels("sgd", groups)
+    has_momentum = any(callable(h["momentum"]) or h["momentum"] for h in hypers)
 
     def init(params):
-        bufs = tree_map(_zeros_master, params) if momentum else None
+        labels.check_names(params)
+        bufs = tree_map(_zeros_master, params) if has_momentum else None
         return SgdState(zero_count(), bufs, zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
@@ -136,14 +168,17 @@ def sgd(
         g_all = _grads_like(grads, p_all, params)
         steps = counts_like(opt_state.steps, p_all, spec)
         lows = None if lowp_params is None else _lowp_like(lowp_params, p_all, spec)
-        bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if momentum else None
+        bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if has_momentum else None
+        hs = _hyper_at(hypers, int(opt_state.count), check)
         lr = float(schedule_lr(int(opt_state.count)))
         scale = 1.0 if info is None else info.scale
         if info is not None:
             info.lrs.append(lr)
 
         def work(groups):
-            for step, parts in groups.items():
+            for (step, label), parts in groups.items():
+                h = hs[label]
+                momentum, dampening, weight_decay = h["momentum"], h["dampening"], h["weight_decay"]
                 pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
                 p = pick(p_all)
                 # Work in the state's dtype (fp32 or wider); low-precision params are
@@ -162,21 +197,32 @@ def sgd(
                     else:
                         torch._foreach_mul_(bufs, momentum)
                         torch._foreach_add_(bufs, d_p, alpha=1.0 - dampening)
-                    if nesterov:
+                    if h["nesterov"]:
                         torch._foreach_add_(d_p, bufs, alpha=momentum)
                     else:
                         d_p = bufs
-                torch._foreach_add_(masters, d_p, alpha=-lr)
+                torch._foreach_add_(masters, d_p, alpha=-h["lr"])
                 for x, m in zip(p, masters):
                     if x is not m:
                         x.copy_(m)
                 if lows is not None:
                     torch._foreach_copy_(pick(lows), p)
 
-        _run(live_by_step(params, g_all, steps, info), work, lows, p_all, g_all, schedule)
+        _run(labels.split(live_by_step(params, g_all, steps, info), params), work, lows, p_all, g_all, schedule)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
     return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
+
+
+def _hyper_at(hypers: list[dict], count: int, check) -> list[dict]:
+    """Each group's hyperparameters at update ``count``, its schedules read (and checked)."""
+    out = []
+    for h in hypers:
+        now = at(h, count)
+        if now != h:
+            check(now)
+        out.append(now)
+    return out
 
 
 def _run(groups, work, lows, params, grads, schedule) -> None:
@@ -188,10 +234,10 @@ def _run(groups, work, lows, params, grads, schedule) -> None:
         if lows is not None:
             _cast_the_rest(lows, params, grads, groups)
         return
-    by_leaf: dict[int, dict[int, list[tuple[int, Part]]]] = {i: {} for i, g in enumerate(grads) if g is not None}
-    for step, parts in groups.items():
+    by_leaf: dict[int, dict[tuple[int, int], list[tuple[int, Part]]]] = {i: {} for i, g in enumerate(grads) if g is not None}
+    for key, parts in groups.items():  # key: (update count, group)
         for i, part in parts:
-            by_leaf[i].setdefault(step, []).append((i, part))
+            by_leaf[i].setdefault(key, []).append((i, part))
 
     def leaf(i, own):
         work(own)
