@@ -1,6 +1,7 @@
 """Checkpoints: sharded save and load at any world size (``sharded``), their files and atomic
 folders (``files``, ``folders``), consolidation and Hugging Face export (``hf_export``,
-``hf_files``), and the command line (``python -m zfunc.checkpoint``, ``cli``).
+``hf_files``; a peft model's adapters or merged model: ``peft_export``), and the command line
+(``python -m zfunc.checkpoint``, ``cli``).
 
 It reads and writes states; a step never imports it. Pretrained weights coming *in* are a step's
 init, so they live below the step, in ``zfunc.weights``.

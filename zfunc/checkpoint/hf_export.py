@@ -25,6 +25,11 @@ Into a folder that holds another model: files this save writes anew are replaced
 adapter files: whatever ``from_pretrained`` or peft would read with the new weights) make it refuse
 before anything is written, unless ``overwrite=True``, which removes them once the new weights are
 complete. Other files (a README, the tokenizer's) are kept.
+
+A peft model's state (``model=`` the ``PeftModel``) is written as peft writes it: its adapters as
+``PeftModel.save_pretrained`` does, or (``merged=True``) the model ``merge_and_unload()`` gives;
+``peft_export`` says what goes in, the same rules write it. Without ``model=`` such a state is refused:
+its names (``base_model.model.``, ``base_layer``) load neither as a base model nor as an adapter.
 """
 from __future__ import annotations
 
@@ -36,20 +41,41 @@ from collections import Counter
 import torch
 
 from .. import dist, swap
-from .files import dtype_of, free_space_error
+from . import peft_export
+from .files import dtype_of, free_space_error, fsync_dir, write_text
 from .hf_files import CONFIG, INDEX, ModelFolder, Planned, SafetensorsFile, config_dict
 from ..state import master_params, unit_values
 
 
 def save_hf(state, directory: str, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-            config=None, overwrite: bool = False) -> str:
+            config=None, overwrite: bool = False, model=None, merged: bool = False, selected_adapters=None,
+            save_embedding_layers="auto") -> str:
     """Write ``state``'s weights as a Hugging Face model folder ``directory`` (every rank calls it; rank 0
     writes); returns ``directory``. ``max_shard_size``: bytes, or ``"5GB"``, ``"500MB"``; ``config``: a
     ``PretrainedConfig``, a dict, a folder holding ``config.json`` or a JSON file, written as
     ``config.json``; ``overwrite``: remove another model's files this save would leave in ``directory``
-    (else they are refused). See the module docstring for the names and dtypes written."""
+    (else they are refused). See the module docstring for the names and dtypes written.
+
+    A peft model's state (``model=``: the ``PeftModel`` ``step.init`` took): its adapters as
+    ``PeftModel.save_pretrained`` writes them (``selected_adapters``, ``save_embedding_layers`` as
+    there), or with ``merged=True`` the model ``merge_and_unload()`` gives, as its base class's
+    ``save_pretrained`` writes it (``config`` defaults to the base model's). See ``peft_export``."""
     swap.check_state(state)
     spec = state.params.spec
+    if model is not None:
+        spec.model.check_model(model)
+    if peft_export.is_peft(model):
+        return _save_peft(state, directory, model, merged=merged, selected_adapters=selected_adapters,
+                          save_embedding_layers=save_embedding_layers, dtype=dtype, max_shard_size=max_shard_size,
+                          config=config, overwrite=overwrite)
+    if merged or selected_adapters is not None:
+        raise ValueError("save_hf: merged= and selected_adapters= are for a peft model: pass model=, the PeftModel "
+                         "(peft.get_peft_model's) that step.init took" + ("" if model is None else
+                                                                         f"; {type(model).__name__} is none"))
+    if model is None and peft_export.looks_like_peft(n for n, _ in spec.model.owner):
+        raise ValueError("save_hf: this state is a peft model's (its names are under 'base_model.model.'), which "
+                         "no from_pretrained loads as they are: pass model=, the PeftModel step.init took, to write "
+                         "its adapters as PeftModel.save_pretrained does, and merged=True for the merged model")
     transient = set(spec.model.transient_buffers)
     buffers = {n: b for n, b in state.buffers.items() if n not in transient}
     trainable = master_params(state)
@@ -70,6 +96,82 @@ def save_hf(state, directory: str, *, dtype: torch.dtype | None = None, max_shar
 
     return _write(directory, plan, parameters, max_shard_size, config, values(), spec.process_group,
                   collective=True, overwrite=overwrite)
+
+
+def _save_peft(state, directory: str, model, *, merged: bool, selected_adapters, save_embedding_layers, dtype,
+               max_shard_size, config, overwrite: bool) -> str:
+    group = state.params.spec.process_group
+    if merged:
+        if selected_adapters is not None:
+            raise ValueError("save_hf(merged=True) merges the active adapters, as merge_and_unload() does: choose "
+                             "them with model.set_adapter (or base_model.set_adapter for several), not "
+                             "selected_adapters=")
+        plan, parameters, values, base_config = peft_export.merged_model(state, model, dtype)
+        return _write(directory, plan, parameters, max_shard_size, base_config if config is None else config, values,
+                      group, collective=True, overwrite=overwrite)
+    if config is not None:
+        raise ValueError("save_hf(model=peft_model) writes the adapters with their adapter_config.json, from the "
+                         "model's peft config: config= is for the model's config.json (merged=True)")
+    folders = peft_export.adapter_folders(state, model, selected_adapters, save_embedding_layers, dtype)
+    return _write_adapters(directory, folders, group, overwrite=overwrite)
+
+
+def _write_adapters(directory: str, folders, group, *, overwrite: bool) -> str:
+    """Each adapter's folder as ``PeftModel.save_pretrained`` writes it, while every rank runs through its
+    values (gathers) and rank 0 writes. As a model folder: another model's files refused before anything is
+    written, or (``overwrite``) removed once the new weights are complete; the old weights go before the
+    new config and weights take their names, so a kill never leaves old weights under a new config."""
+    files, error, stale = [], None, {}
+    if dist.rank(group) == 0:
+        try:
+            for f in folders:
+                out = os.path.join(directory, f.subfolder)
+                os.makedirs(out, exist_ok=True)
+                stale[out] = sorted(e for e in os.listdir(out) if e not in (peft_export.ADAPTER_WEIGHTS,
+                                                                             peft_export.ADAPTER_CONFIG)
+                                    and (e in _MODEL_CONFIGS or _MODEL_WEIGHTS.fullmatch(e))
+                                    and os.path.isfile(os.path.join(out, e)))
+            found = {os.path.relpath(out, directory): names for out, names in stale.items() if names}
+            if found and not overwrite:
+                raise FileExistsError(
+                    f"{directory!r} holds another model's files that this adapter save would leave beside its "
+                    f"adapter, and from_pretrained or peft would read: {found}. Pass overwrite=True to remove "
+                    "them, or write into another folder; nothing was written")
+            error = free_space_error(directory, sum(t.nbytes for f in folders for t in f.plan), "a peft adapter")
+            if error is None:
+                files = [SafetensorsFile(os.path.join(directory, f.subfolder, peft_export.ADAPTER_WEIGHTS), f.plan)
+                         for f in folders]
+        except Exception as e:
+            error = e
+    _agree(error, directory, group, True)
+    for k, f in enumerate(folders):
+        for name, t in f.values():
+            if files and error is None:
+                try:
+                    files[k].put(name, t)
+                except Exception as e:
+                    error = e
+            del t  # not held while the next unit is gathered
+    if files and error is None:
+        try:
+            for out_file in files:
+                out_file.seal()
+            for f, out_file in zip(folders, files):
+                out = os.path.join(directory, f.subfolder)
+                _remove(out, stale[out])
+                if os.path.exists(out_file.path):  # the old weights go before the new config names them
+                    os.remove(out_file.path)
+                    fsync_dir(out)
+                write_text(os.path.join(out, peft_export.ADAPTER_CONFIG), f.config_text)
+                out_file.publish()
+                fsync_dir(out)
+        except Exception as e:
+            error = e
+    if files and error is not None:
+        for out_file in files:
+            out_file.abort()
+    _agree(error, directory, group, True)
+    return directory
 
 
 def export_saved(saved, directory: str, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
