@@ -19,6 +19,7 @@ from torch import nn as _nn
 from . import checkpoint, dist, optim, pipeline, swap, testing
 from .compiled import CompileError, CompileWarning, GraphBreakWarning
 from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDivergedError
+from .checkpoint import iter_weights
 from .engine import Engine, RepeatingLoader
 from .engine import config as _configuration
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
@@ -35,7 +36,7 @@ from .tree import Params, UpdateFailed, compile_units
 
 __all__ = [
     "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "compile_units", "dist", "eval_step",
-    "gather_params", "grad", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
+    "gather_params", "grad", "iter_weights", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]
 

@@ -1,0 +1,114 @@
+"""A state's weights streamed out unit by unit, in buckets: what an inference engine takes after
+each update in reinforcement-learning post-training (vLLM's ``load_weights`` takes an iterable
+of ``(name, tensor)``), with no file and no whole-model gather.
+
+``iter_weights(state)`` yields the tensors ``save_hf`` writes, under the same names and in the
+same dtypes (each parameter once under its first name, tied weights once; persistent buffers;
+the fp32 master weights under mixed precision), equal to ``zf.gather_params(state)`` cast to
+them. Every rank calls it and runs through it, since each unit is all-gathered as it is
+reached. Units are gathered until a bucket of ``bucket_bytes`` is full, and only then is the
+bucket handed out: every rank's collectives for a bucket are over before any rank's consumer
+sees it, so a consumer that is slow, or that runs collectives of its own (a broadcast to an
+inference engine) on one rank, never leaves another rank waiting inside a gather. What is held
+at once is a bucket and the unit being gathered, whatever the model's size.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Iterator
+
+import torch
+
+from .. import dist
+from ..state import check_usable, master_params, unit_values
+from .hf_files import Planned
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20  # a few units of a 7B model; verl streams 2 GB, vLLM's own loaders less
+
+
+def named_values(state, dtype: torch.dtype | None, device) -> tuple[list[Planned], Counter, Iterator]:
+    """``(plan, parameter elements per dtype, values)`` of ``state`` as ``save_hf`` writes it: ``plan``
+    every tensor to come (name, shape, dtype), in order; ``values`` yields ``(name, tensor on
+    device)``, gathering one unit at a time (every rank runs through it) and handing each tensor
+    over so that the unit is freed once its last is taken."""
+    spec = state.params.spec
+    transient = set(spec.model.transient_buffers)
+    buffers = {n: b for n, b in state.buffers.items() if n not in transient}
+    trainable = master_params(state)
+    pieces = [(params, i) for i in range(len(spec.model.units)) for params in (trainable, state.frozen)]
+    segments = [([(e.name, e.shape) for e in params.spec.segment(i).entries], params.spec.segment(i).dtype)
+                for params, i in pieces]
+    plan, parameters = plan_tensors(segments, [(n, tuple(b.shape), b.dtype) for n, b in buffers.items()], dtype)
+    dtypes = {t.name: t.dtype for t in plan}
+
+    def values():
+        for params, i in pieces:
+            if params.spec.segment(i).entries:
+                views = params.spec.segment(i).unflatten(unit_values(params, i))
+                for name in list(views):
+                    yield name, views.pop(name).to(device, dtypes[name])
+        for name, b in buffers.items():
+            yield name, b.to(device, dtypes[name])
+
+    return plan, parameters, values()
+
+
+def plan_tensors(segments, buffers, dtype) -> tuple[list[Planned], Counter]:
+    """Every tensor to write, in the order they come (unit by unit, each unit's trainable then frozen
+    parameters, then the buffers), and how many parameter elements are written in each dtype.
+
+    ``segments``: ``[([(name, shape)], the model's dtype)]``; ``buffers``: ``[(name, shape, dtype)]``.
+    ``dtype``: what every floating-point tensor is cast to, or None for the model's own."""
+    plan, parameters = [], Counter()
+    for entries, model_dtype in segments:
+        for name, shape in entries:
+            t = Planned(name, tuple(shape), model_dtype if dtype is None or not model_dtype.is_floating_point
+                        else dtype)
+            plan.append(t)
+            parameters[t.dtype] += math.prod(t.shape)
+    for name, shape, b_dtype in buffers:
+        plan.append(Planned(name, shape, dtype if dtype is not None and b_dtype.is_floating_point else b_dtype))
+    return plan, parameters
+
+
+def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 names: str = "hf", device=None, buckets: bool = False):
+    """Yield ``(name, tensor)`` for every weight of ``state`` (see the module docstring), every rank.
+
+    ``dtype``: every floating-point tensor cast to it (``torch.bfloat16`` for an inference
+    engine); None keeps the model's own. ``bucket_bytes``: how much is gathered before it is
+    handed out (a tensor larger than it is a bucket of its own). ``names``: ``"hf"``, the model's
+    own names as ``save_hf`` writes them. ``device``: where the tensors are handed out; None:
+    where the state's collectives run (the GPU under nccl, for an IPC or NCCL hand-off; the CPU
+    under gloo). ``buckets``: yield each bucket as a list of ``(name, tensor)`` instead, for a
+    consumer that packs them."""
+    if names != "hf":
+        raise ValueError(f"iter_weights(names={names!r}): only names='hf' (the model's own names, as save_hf "
+                         "writes them) is offered")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"iter_weights(bucket_bytes={bucket_bytes!r}): give a positive whole number of bytes")
+    group = state.params.spec.process_group
+    sharded = any(state.params.spec.sharded) or any(state.frozen.spec.sharded)
+    check_usable(state, collective=sharded)
+    device = dist.device_of(group) if device is None else torch.device(device)
+    _, _, values = named_values(state, dtype, device)
+    return _buckets(values, bucket_bytes) if buckets else _pairs(_buckets(values, bucket_bytes))
+
+
+def _buckets(values, bucket_bytes: int):
+    bucket, size = [], 0
+    for name, t in values:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _pairs(buckets):
+    for bucket in buckets:
+        while bucket:
+            yield bucket.pop(0)  # the consumer holds the only reference once it has taken one
