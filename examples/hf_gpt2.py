@@ -75,7 +75,7 @@ def main(argv=None):
         if rank == 0:
             print(f"resumed from {folder} at step {engine.global_steps}", file=sys.stderr)
     train_data, _ = split(stdlib_corpus(args.mb))
-    data = batches(train_data, engine.train_micro_batch_size_per_gpu, args.seq, args.seed + engine.global_steps, rank)
+    data = batches(train_data, engine.train_micro_batch_size_per_gpu(), args.seq, args.seed + engine.global_steps, rank)
     for _ in range(args.steps):
         loss = engine.train_batch(data)
     if rank == 0:

@@ -88,7 +88,7 @@ def train_pipeline():
     data = micro_batches()
     if master:
         print(f"{args.pipeline} pipeline stages x {engine.grid.replicas} data-parallel replica(s), layer cuts "
-              f"{pipe.parts}, {engine.gradient_accumulation_steps} micro-batches a step ({pipe.schedule})")
+              f"{pipe.parts}, {engine.gradient_accumulation_steps()} micro-batches a step ({pipe.schedule})")
     bar = tqdm(range(args.steps), disable=not master, dynamic_ncols=True)
     for _ in bar:
         bar.set_postfix_str(f"loss {engine.train_batch(data).item():.3f}")

@@ -43,11 +43,11 @@ def engine_run(config: dict, steps: int, imperative: bool = False, save_at: int 
     if load:
         engine.load_checkpoint(directory)
         start = engine.global_steps
-    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps, start)
+    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps(), start)
     losses = []
     for i in range(steps):
         if imperative:
-            for _ in range(engine.gradient_accumulation_steps):
+            for _ in range(engine.gradient_accumulation_steps()):
                 value = engine(next(data))
                 engine.backward(value)
                 engine.step()
@@ -151,9 +151,9 @@ def eval_then_train(config: dict) -> dict:
     shape = copy.deepcopy(model)
     rank, world = zf.dist.rank(), zf.dist.world_size()
     engine = zf.initialize(model, config, loss_fn=_gpt_loss)
-    evaluated = float(engine.eval_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps)))
+    evaluated = float(engine.eval_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())))
     before = engine.params()
-    trained = float(engine.train_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps)))
+    trained = float(engine.train_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())))
     return {"eval": evaluated, "train": trained, "unchanged": before, "steps": engine.global_steps}
 
 

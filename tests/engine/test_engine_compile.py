@@ -46,13 +46,13 @@ def run(config: dict, steps: int = STEPS, compile_args: tuple | None = None, com
     shape = copy.deepcopy(model)
     rank, world = zf.dist.rank(), zf.dist.world_size()
     engine = zf.initialize(model, config, loss_fn=_gpt_loss)
-    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps)
+    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())
     losses, after_first = [], None
     for i in range(steps):
         if compile_args is not None and i == compile_at:
             engine.compile(*compile_args)
         if imperative:
-            for _ in range(engine.gradient_accumulation_steps):
+            for _ in range(engine.gradient_accumulation_steps()):
                 engine.backward(engine(next(data)))
                 engine.step()
             losses.append(float(engine.last_metrics["loss"]))
@@ -237,7 +237,7 @@ def _engine(kind: str):
 
 def _steps(engine, shape, n: int) -> list[float]:
     rank, world = zf.dist.rank(), zf.dist.world_size()
-    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps, engine.global_steps)
+    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps(), engine.global_steps)
     return [float(engine.train_batch(data)) for _ in range(n)]
 
 

@@ -73,7 +73,7 @@ def imperative(name: str, config: dict, pattern: str, steps: int, with_loss_fn: 
     shape = copy.deepcopy(model)
     kw = {"loss_fn": lambda m, b: loss(name, m(b[0]), b[1])} if with_loss_fn else {}
     engine = zf.initialize(model, config, **kw)
-    gas = engine.gradient_accumulation_steps
+    gas = engine.gradient_accumulation_steps()
     k, losses, norms, evals = 0, [], [], []
     for _ in range(steps):
         for i in range(gas):
@@ -261,7 +261,7 @@ def hf_calls(steps: int, config: dict) -> dict:
     rank, world = zf.dist.rank(), zf.dist.world_size()
     engine = zf.initialize(model, config)
     k = 0
-    for _ in range(steps * engine.gradient_accumulation_steps):
+    for _ in range(steps * engine.gradient_accumulation_steps()):
         n = 4 // world
         out = engine(**{key: v[rank * n:(rank + 1) * n] for key, v in _hf_batch(k).items()})
         engine.backward(out.loss)

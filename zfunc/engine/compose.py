@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..optim import lr as lr_schedules
-from ..optim.reported_lr import update_count
+from ..optim.reported_lr import next_lr, update_count
 from .. import compiled, optim
 from ..transforms.accumulate import accumulate
 from .config import OffloadParamConfig
@@ -64,12 +64,16 @@ def build_optimizer(cfg, optimizer, lr_scheduler):
     return optimizer, schedule
 
 
-def current_lr(cfg, schedule, state) -> list[float]:
+def current_lr(cfg, schedule, state, optimizer=None) -> list[float]:
     """The learning rate of the next update (DeepSpeed's ``get_lr``: one per param group): the
     schedule at the optimizer's update count, which a skipped step does not advance
-    (zfunc.optim.reported_lr)."""
+    (zfunc.optim.reported_lr). Without a schedule, the config's lr, else the one ``optimizer``
+    (a caller's zfunc optimizer) carries as its ``lr``."""
     if schedule is None:
-        return [cfg.optimizer.lr] if cfg.optimizer is not None else []
+        if cfg.optimizer is not None:
+            return [cfg.optimizer.lr]
+        lr = next_lr(optimizer, state.opt_state) if optimizer is not None else None
+        return [] if lr is None else [lr]
     count = update_count(state.opt_state)
     return [float(schedule(int(state.count) if count is None else count))]
 

@@ -22,7 +22,10 @@ compiled code; under ``compile.deepcompile`` the step is ``zf.jit``'s, traced wh
 """
 from __future__ import annotations
 
+import json
+import os
 import time
+import warnings
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
@@ -32,7 +35,9 @@ from .. import checkpoint, compiled, dist
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
 from ..grad import Bound, apply, forward as run_forward, materialized, scalar_loss
 from .imperative import Window
+from .handles import OptimizerHandle, SchedulerHandle
 from .loop import Loop
+from . import sixteen_bit
 from ..step import eval_step, train_step
 
 
@@ -139,6 +144,7 @@ class Engine(Loop):
         self.state_dict_keys = [compiled.plain_name(k) for k in model.state_dict()]  # without _orig_mod.
         loss = model_loss(model, loss_fn)
         opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        self.optimizer_fn = opt
         self._train_base = train_step(loss, opt)
         self.step_fn = compose(cfg, self._train_base)
         self.eval_fn = compose(cfg, eval_step(loss))
@@ -156,6 +162,9 @@ class Engine(Loop):
         self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
         self._window: Window | None = None  # the imperative style's step in progress (zfunc.engine.imperative)
+        # what deepspeed.initialize returns beside the engine (zfunc.engine.handles)
+        self.optimizer = OptimizerHandle(self)
+        self.lr_scheduler = SchedulerHandle(self) if self.lr_schedule is not None else None
 
     @property
     def module(self) -> Bound:
@@ -164,11 +173,21 @@ class Engine(Loop):
         rank calling them; units gathered as the forward reaches them, no gradients."""
         return Bound(lambda: self.state, self.model)
 
-    # ------------------------------------------------------------------- batches
-
     @property
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.micro_batch_size
+    def training(self) -> bool:
+        """Whether the model is in training mode (``engine.train()``, ``engine.eval()``)."""
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "Engine":
+        """The model's training mode, as DeepSpeed's ``engine.train()`` sets it (dropout on)."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        """The model's evaluation mode (DeepSpeed's ``engine.eval()``)."""
+        return self.train(False)
+
+    # ------------------------------------------------------------------- batches
 
     COUNTERS = Loop.COUNTERS + ("micro_steps",)
 
@@ -181,7 +200,7 @@ class Engine(Loop):
         """One optimizer step on the next ``gradient_accumulation_steps`` micro-batches; the mean loss."""
         self._no_step_in_progress("train_batch")
         micro = self._pull(data_iter)
-        batch = micro if self.gradient_accumulation_steps > 1 else micro[0]
+        batch = micro if self.gradient_accumulation_steps() > 1 else micro[0]
         start = time.perf_counter()
         self.state, metrics = self.step_fn(self.state, batch)
         self.micro_steps += len(micro)
@@ -252,7 +271,7 @@ class Engine(Loop):
         except BaseException:  # the step's sums are incomplete: it is abandoned
             self._window = None
             raise
-        return loss.detach() / self.gradient_accumulation_steps
+        return loss.detach() / self.gradient_accumulation_steps()
 
     def step(self) -> None:
         """The update, at a gradient accumulation boundary (every ``gradient_accumulation_steps``-th
@@ -260,6 +279,7 @@ class Engine(Loop):
         otherwise only the micro-step is counted."""
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
+            self._step_applied = False
             return
         window, self._window = self._window, None
         if window is not None:
@@ -267,14 +287,14 @@ class Engine(Loop):
         if window is None or not window.losses:
             raise ValueError("engine.step() at a gradient accumulation boundary, but no engine.backward(loss) since "
                              "the last update: run loss = engine(batch); engine.backward(loss) first")
-        out = window.grad_out(self.step_fn.group, self.gradient_accumulation_steps)
+        out = window.grad_out(self.step_fn.group, self.gradient_accumulation_steps())
         self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``step()`` makes the update (DeepSpeed's rule, on its count of steps)."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def _no_step_in_progress(self, what: str) -> None:
         """Forwards no backward went through are dropped; a step with gradients must end first."""
@@ -347,22 +367,65 @@ class Engine(Loop):
 
     # -------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
-        """Every rank calls it; returns the checkpoint's folder (zfunc.checkpoint)."""
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """The whole training state under ``save_dir/tag`` (default ``global_step{N}``, as DeepSpeed
+        names it) and ``save_dir/latest`` naming it; every rank calls it; returns the checkpoint's
+        folder (zfunc.checkpoint). ``client_state``: a JSON-serializable dict ``load_checkpoint``
+        returns. DeepSpeed's ``save_latest=False`` and ``exclude_frozen_parameters=True`` raise."""
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        if not save_latest:
+            raise NotImplementedError("save_checkpoint(save_latest=False) is not supported yet: a zfunc checkpoint "
+                                      "always updates save_dir/latest when it is complete")
+        if exclude_frozen_parameters:
+            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet")
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        client_state = _json_client_state(client_state)
         extra = {"engine": self._counters(),
                  "scheduler": {"last_step": int(self.state.count)},
                  "config": self.config.raw, "state_dict_keys": self.state_dict_keys,
-                 "client_state": client_state or {}}
+                 "client_state": client_state}
         return checkpoint.save(self.state, save_dir, tag, extra=extra, group=self.group)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-        """Load a checkpoint saved at any world size; returns ``(its folder, client_state)``."""
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
+        """Load a checkpoint saved at any world size and composition; returns ``(its folder,
+        client_state)``. Without ``tag``, the one ``load_dir/latest`` names; with no ``latest``
+        there, ``(None, None)`` and a warning, as DeepSpeed returns. DeepSpeed's partial loads
+        (``load_module_only``, ``load_optimizer_states=False``, ``load_lr_scheduler_states=False``,
+        ``load_module_strict=False``, ``custom_load_fn``) raise: the whole state is loaded."""
+        for given, what in ((load_module_only, "load_module_only=True"),
+                            (not load_optimizer_states, "load_optimizer_states=False"),
+                            (not load_lr_scheduler_states, "load_lr_scheduler_states=False (the schedule follows "
+                                                           "the optimizer's update count, which is loaded)"),
+                            (not load_module_strict, "load_module_strict=False"),
+                            (custom_load_fn is not None, "custom_load_fn")):
+            if given:
+                raise NotImplementedError(f"load_checkpoint({what}) is not supported yet: zfunc loads the whole "
+                                          "training state (weights, optimizer state and counters)")
         self._no_step_in_progress("load_checkpoint")
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            warnings.warn(f"no checkpoint loaded: {load_dir!r} has no 'latest' file; pass tag= to name one",
+                          UserWarning, stacklevel=2)
+            return None, None
         folder = checkpoint.resolve(load_dir, tag)
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
         self._restore_counters(manifest)
         return folder, manifest.get("client_state", {})
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The model's ``state_dict`` in its compute dtype (fp16 / bf16 when enabled, else fp32) as
+        ``save_dir/save_filename``, written with ``torch.save`` by rank 0, as DeepSpeed's; under ZeRO-3
+        only with ``stage3_gather_16bit_weights_on_model_save`` (zfunc.engine.sixteen_bit). Every
+        rank calls it; returns whether it wrote."""
+        return sixteen_bit.save(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """``save_16bit_model``'s old name (DeepSpeed keeps it)."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def close(self) -> None:
         """Remove the state's swap files (offload to NVMe)."""
@@ -370,6 +433,20 @@ class Engine(Loop):
             self._window, window = None, self._window
             window.drop()
         super().close()
+
+
+def _json_client_state(client_state) -> dict:
+    """``client_state`` as the manifest keeps it (JSON): a clear error for what JSON cannot hold."""
+    if client_state is None:
+        return {}
+    if not isinstance(client_state, dict):
+        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
+    try:
+        json.dumps(client_state)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"client_state must be JSON-serializable here (zfunc keeps it in the checkpoint's "
+                        f"manifest): {e}; convert tensors with .tolist() or .item()") from None
+    return client_state
 
 
 def _args(kw: dict) -> str:

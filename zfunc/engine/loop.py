@@ -1,6 +1,6 @@
 """What both engines share (zfunc.engine.engine, zfunc.pipeline.interpreter): pulling a step's micro-batches,
-the step counters, the report every ``steps_per_print`` steps, and the counters a checkpoint
-keeps."""
+the step counters, the report every ``steps_per_print`` steps, the counters a checkpoint
+keeps, and DeepSpeed's engine methods (zfunc.engine.deepspeed_methods)."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,8 @@ import torch
 
 from .. import dist
 from .compose import current_lr
+from .deepspeed_methods import DeepSpeedMethods
+from ..optim.reported_lr import update_count
 from ..state import gather_params
 
 
@@ -20,9 +22,10 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class Loop:
-    """The loop around a composed step. A subclass sets ``config``, ``state`` and ``lr_schedule``
-    (the lr schedule, or None) and calls ``_stepped`` after each update."""
+class Loop(DeepSpeedMethods):
+    """The loop around a composed step. A subclass sets ``config``, ``state``, ``step_fn``,
+    ``optimizer_fn`` (the zfunc optimizer) and ``lr_schedule`` (the lr schedule, or None) and
+    calls ``_stepped`` after each update."""
 
     COUNTERS = ("global_steps", "global_samples")  # what a checkpoint's manifest keeps
 
@@ -32,14 +35,11 @@ class Loop:
         self.last_metrics: dict = {}
         self._last_print = time.perf_counter()
         self._tokens_since_print = 0
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        self._step_applied = False  # was_step_applied()
 
     def _next_micro_batches(self, data_iter) -> list:
         """The next ``gradient_accumulation_steps`` micro-batches of ``data_iter``."""
-        n, out = self.gradient_accumulation_steps, []
+        n, out = self.gradient_accumulation_steps(), []
         for _ in range(n):
             try:
                 out.append(next(data_iter))
@@ -51,6 +51,7 @@ class Loop:
     def _stepped(self, metrics: dict, tokens: int, seconds: float) -> None:
         """Count an update (``config.train_batch_size`` samples, ``tokens`` tokens) and report it."""
         self.last_metrics = metrics
+        self._step_applied = not metrics.get("skipped", False)
         self.global_steps += 1
         self.global_samples += self.config.train_batch_size
         self._tokens_since_print += tokens
@@ -64,11 +65,15 @@ class Loop:
         return gather_params(self.state)
 
     def get_lr(self) -> list[float]:
-        return current_lr(self.config, self.lr_schedule, self.state)
-
-    @property
-    def loss_scale(self) -> float | None:
-        return None if self.state.loss_scale is None else float(self.state.loss_scale.scale)
+        """The lr of the next update, one per param group (DeepSpeed's): each group's schedule where
+        the engine was given them (``group_schedules``: a script's optimizer with param groups),
+        else the optimizer's."""
+        schedules = getattr(self, "group_schedules", None)
+        if schedules:
+            count = update_count(self.state.opt_state)
+            count = int(self.state.count) if count is None else count
+            return [float(s(count)) for s in schedules]
+        return current_lr(self.config, self.lr_schedule, self.state, getattr(self, "optimizer_fn", None))
 
     # ------------------------------------------------------------------ logging
 

@@ -60,6 +60,7 @@ class PipelineEngine(Loop):
             compile_blocks(self.module, {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")})
         self._tie_initial_weights()
         opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        self.optimizer_fn = opt
 
         def no_loss(params, batch):  # the interpreter drives forward and backward itself
             raise RuntimeError("a pipeline stage's step is driven by its schedule, not called")
@@ -115,7 +116,7 @@ class PipelineEngine(Loop):
     def _pull(self, data_iter) -> list:
         """The step's micro-batches (first and last stage only: the others need no data)."""
         if not (self.module.first or self.module.last):
-            return [None] * self.gradient_accumulation_steps
+            return [None] * self.gradient_accumulation_steps()
         if data_iter is None:
             raise ValueError(f"stage {self.grid.stage} (the {'first' if self.module.first else 'last'}) needs "
                              "data_iter: an iterator over (inputs, labels) micro-batches")

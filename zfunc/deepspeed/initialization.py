@@ -1,0 +1,219 @@
+"""``deepspeed.initialize`` on zfunc: the config read as ``zf.initialize`` reads it, the script's own
+optimizer and scheduler read into zfunc's (zfunc.deepspeed.client), and DeepSpeed's four values
+back: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+The engine is zfunc's ``Engine`` (zfunc.engine.engine) with DeepSpeed's methods; the optimizer
+and scheduler are its views (zfunc.engine.handles); the loader is DeepSpeed's
+(zfunc.deepspeed.data). Where the optimizer comes from follows DeepSpeed's rules: the script's
+``optimizer`` (a torch optimizer, or a callable ``model_parameters -> optimizer``) over the
+config's ``optimizer`` section; the script's ``lr_scheduler`` (an object built on that optimizer,
+or a callable ``optimizer -> scheduler``) over the config's ``scheduler`` section.
+``model_parameters`` are the parameters the config's optimizer trains: all of the model's
+trainable ones, or param groups (dicts with their own hyperparameters), which are then read
+as a torch optimizer of the config's type would hold them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from .. import dist
+from ..engine import config as configuration
+from ..engine.engine import Engine
+from ..engine.handles import OptimizerHandle, SchedulerHandle
+from ..optim import Optimizer, lr as lr_schedules
+from ..pipeline import PipelineEngine, PipelineModule
+from . import zero
+from .comm import init_distributed
+from .data import DataLoader
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required: bool | None = None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``
+    (the loader None without ``training_data``, the scheduler None without one); see the module
+    docstring. The config: ``config`` (or ``config_params``), else ``args.deepspeed_config``. What
+    zfunc does not have raises naming it: ``mpu`` (model parallelism), ``mesh_param``."""
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model")
+    if mpu is not None:
+        raise NotImplementedError("initialize(mpu=...): model parallelism (Megatron's tensor / pipeline parallel "
+                                  "groups) is not supported; zfunc shards over data-parallel ranks")
+    if mesh_param is not None:
+        raise NotImplementedError("initialize(mesh_param=...): sequence parallelism over a device mesh is not supported")
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    dist.check_launch()
+    raw = _config(args, config, config_params)
+    if isinstance(model, PipelineModule):
+        return _pipeline(model, raw, optimizer, lr_scheduler, training_data)
+    cfg = configuration.parse(raw, dist.world_size())
+    configuration.warn_ignored(cfg)
+    zopt, schedule, scheduler_kind, groups, group_schedules = _optimizer_and_schedule(
+        cfg, model, optimizer, model_parameters, lr_scheduler)
+    if zopt is not None and cfg.optimizer is not None:  # DeepSpeed: the script's optimizer over the config's
+        cfg = dataclasses.replace(cfg, optimizer=None)
+    engine = Engine(model, cfg, optimizer=zopt, lr_scheduler=schedule)
+    engine.group_schedules = group_schedules
+    if groups is not None:
+        engine.optimizer = OptimizerHandle(engine, groups)
+    if scheduler_kind is not None:
+        engine.lr_scheduler = SchedulerHandle(engine, scheduler_kind)
+    zero.register_engine(engine)
+    loader = None
+    if training_data is not None:
+        loader = DataLoader(training_data, cfg.micro_batch_size, rank=dist.rank(), world=dist.world_size(),
+                            collate_fn=collate_fn, drop_last=bool(raw.get("dataloader_drop_last", False)))
+    engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+# ------------------------------------------------------------------------------ the config
+
+
+def _config(args, config, config_params) -> dict:
+    """The config dict from ``config`` / ``config_params`` / ``args.deepspeed_config``, as DeepSpeed picks."""
+    if config is None and config_params is not None:
+        config = config_params
+    if args is not None and getattr(args, "deepscale_config", None) is not None:
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ValueError("args has both deepscale_config and deepspeed_config; give --deepspeed_config")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("a DeepSpeed config is given both as args.deepspeed_config and as config=: keep one")
+        config = from_args
+    if config is None:
+        raise ValueError("no DeepSpeed config: pass --deepspeed_config FILE (with add_config_arguments) or config=")
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"DeepSpeed config file {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            try:
+                config = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"DeepSpeed config file {path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
+    return config
+
+
+# ----------------------------------------------------------------- optimizer and schedule
+
+
+def _client():
+    try:
+        from . import client
+    except ImportError as e:  # helper C's module: the script's optimizer and scheduler read into zfunc's
+        raise NotImplementedError(f"a client optimizer or lr_scheduler needs zfunc.deepspeed.client ({e})") from None
+    return client
+
+
+def _optimizer_and_schedule(cfg, model, optimizer, model_parameters, lr_scheduler):
+    """``(zfunc optimizer or None: the config's, schedule or None, the scheduler view's kind or
+    None: the engine's default, the param groups' hyperparameters or None, each group's lr
+    schedule or None)``."""
+    if isinstance(optimizer, Optimizer):  # already zfunc's
+        return optimizer, None, None, None, None
+    if model_parameters is not None:  # often a generator (filter(...)): read once
+        model_parameters = list(model_parameters)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(f"optimizer must be a torch optimizer or a callable model_parameters -> optimizer, got "
+                            f"{type(optimizer).__name__}")
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer = optimizer(params)
+    elif optimizer is None and cfg.optimizer is not None and _custom_parameters(model, model_parameters):
+        optimizer = _config_optimizer_over(cfg.optimizer, model_parameters)  # param groups of the config's optimizer
+    if optimizer is None:  # the config's optimizer
+        if lr_scheduler is None:
+            return None, None, None, None, None
+        if cfg.optimizer is None:
+            raise ValueError("lr_scheduler without an optimizer: put an 'optimizer' section in the config or pass "
+                             "optimizer=")
+        if cfg.scheduler is not None:
+            raise ValueError("a scheduler is given both in the config ('scheduler') and as lr_scheduler=: keep one")
+        schedule = _client().schedule_from_client(lr_scheduler, cfg.optimizer.lr)
+        return None, schedule, "torch", None, None
+    if lr_scheduler is None and cfg.scheduler is not None:  # the config's scheduler, built on the script's optimizer
+        lr_scheduler = _ConfigScheduler(optimizer, lr_schedules.from_config(cfg.scheduler,
+                                                                            optimizer.param_groups[0]["lr"]))
+    client = _client()
+    if lr_scheduler is not None:  # each group's lr as the scheduler sets it (read off copies before any step)
+        group_schedules = [client.schedule_from_client(lr_scheduler, optimizer, group=k)
+                           for k in range(len(optimizer.param_groups))]
+    else:
+        group_schedules = [lr_schedules.constant(float(g["lr"])) for g in optimizer.param_groups]
+    zopt = client.optimizer_from_client(optimizer, model, lr_scheduler=lr_scheduler)
+    groups = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
+    kind = None
+    if lr_scheduler is not None:
+        kind = "deepspeed" if isinstance(lr_scheduler, _ConfigScheduler) else "torch"
+    return zopt, None, kind, groups, group_schedules
+
+
+def _custom_parameters(model, model_parameters) -> bool:
+    """Whether ``model_parameters`` are other than all the model's trainable parameters (param
+    groups, or a subset)."""
+    if model_parameters is None:
+        return False
+    if any(isinstance(p, dict) for p in model_parameters):
+        return True
+    mine = {id(p) for p in model.parameters() if p.requires_grad}
+    return {id(p) for p in model_parameters} != mine
+
+
+def _config_optimizer_over(o, model_parameters):
+    """The torch optimizer of the config's section over ``model_parameters`` (param groups), as
+    DeepSpeed builds its own: AdamW for decoupled decay, else Adam, or SGD."""
+    groups = model_parameters
+    if o.type == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, dampening=o.dampening,
+                               weight_decay=o.weight_decay, nesterov=o.nesterov)
+    cls = torch.optim.AdamW if o.decoupled else torch.optim.Adam
+    return cls(groups, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+class _ConfigScheduler:
+    """The config's ``scheduler`` section on the script's optimizer, as DeepSpeed builds it: every
+    param group's lr set to the schedule's value, stepped once per update (what
+    zfunc.deepspeed.client reads off a copy of it)."""
+
+    def __init__(self, optimizer, schedule):
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.last_batch_iteration = -1
+        self._set(schedule(0))
+
+    def _set(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    def step(self) -> None:
+        self.last_batch_iteration += 1
+        self._set(self.schedule(self.last_batch_iteration + 1))
+
+
+# ------------------------------------------------------------------------------ pipeline
+
+
+def _pipeline(model, raw, optimizer, lr_scheduler, training_data):
+    if optimizer is not None or lr_scheduler is not None:
+        raise NotImplementedError("a client optimizer or lr_scheduler with a PipelineModule is not supported yet: "
+                                  "give them in the config")
+    if training_data is not None:
+        raise NotImplementedError("training_data with a PipelineModule is not supported yet: pass "
+                                  "engine.train_batch(data_iter) an iterator")
+    cfg = configuration.parse(raw, dist.world_size() // model.num_stages or 1)
+    configuration.warn_ignored(cfg)
+    engine = PipelineEngine(model, cfg)
+    warnings.warn("zfunc.deepspeed.initialize with a PipelineModule returns (engine, None, None, None): the "
+                  "pipeline engine has no optimizer or scheduler views yet", UserWarning, stacklevel=3)
+    return engine, None, None, None

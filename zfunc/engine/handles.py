@@ -1,0 +1,125 @@
+"""What ``engine.optimizer`` and ``engine.lr_scheduler`` are: the objects ``deepspeed.initialize``
+returns beside the engine, which scripts read (the current lr in ``param_groups``,
+``get_last_lr()``, ``state_dict()``).
+
+zfunc's optimizer is a pure function of the state and its schedule a function of the
+optimizer's update count, so these are views of the engine: they say what the next update
+will use and do not hold state of their own. The engine steps the schedule (each applied
+update advances the count, as DeepSpeed's engine calls ``lr_scheduler.step()`` after one), so
+a script's own ``lr_scheduler.step()`` or a write to ``param_groups[i]["lr"]`` is refused
+rather than silently ignored.
+"""
+from __future__ import annotations
+
+from ..optim.reported_lr import update_count
+
+
+class ParamGroup(dict):
+    """One param group as DeepSpeed's optimizer shows it: its hyperparameters and ``lr``, the lr
+    of the next update. Writing ``lr`` would not reach the update: refused."""
+
+    def __setitem__(self, key, value):
+        if key == "lr":
+            raise NotImplementedError(
+                "setting param_groups[i]['lr'] is not supported: zfunc's lr is a schedule of the update count; give "
+                "it as the config's 'scheduler' section or as lr_scheduler= to initialize")
+        super().__setitem__(key, value)
+
+
+class OptimizerHandle:
+    """``engine.optimizer``: the engine's optimizer as scripts read it (see the module docstring)."""
+
+    def __init__(self, engine, hyperparameters: list[dict] | None = None):
+        self._engine = engine
+        self._groups = hyperparameters
+
+    @property
+    def param_groups(self) -> list[ParamGroup]:
+        """One group per lr the engine reports, each with its hyperparameters and the next lr."""
+        lrs = self._engine.get_lr()
+        base = self._groups or [_config_hyperparameters(self._engine.config)]
+        if not lrs:  # an optimizer that does not say its lr
+            return [ParamGroup(hp) for hp in base]
+        if len(base) != len(lrs):
+            raise RuntimeError(f"the engine reports {len(lrs)} lrs for {len(base)} param groups")
+        return [ParamGroup({**hp, "lr": lr}) for hp, lr in zip(base, lrs)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are the step's own and cleared by each update; between an update and the next
+        ``engine.backward`` there are none. Zeroing the sums of an accumulation in progress (after
+        ``engine.backward``, before the boundary's ``step()``) is not supported: raises."""
+        window = getattr(self._engine, "_window", None)
+        if window is not None and window.losses:
+            raise NotImplementedError(
+                "optimizer.zero_grad() in the middle of a gradient accumulation (engine.backward since the last "
+                "update) is not supported: the gradients are summed until the boundary's engine.step()")
+
+    def step(self, *args, **kwargs):
+        raise NotImplementedError("optimizer.step(): the engine makes the update; call engine.step()")
+
+    def state_dict(self) -> dict:
+        """The update count and the param groups' hyperparameters (the moments are in the state:
+        ``engine.save_checkpoint`` writes them)."""
+        return {"param_groups": [dict(g) for g in self.param_groups],
+                "state": {"step": update_count(self._engine.state.opt_state)}}
+
+    def load_state_dict(self, state_dict: dict):
+        raise NotImplementedError("optimizer.load_state_dict(): load the whole training state with "
+                                  "engine.load_checkpoint(dir)")
+
+
+class SchedulerHandle:
+    """``engine.lr_scheduler``: the engine's lr schedule as scripts read it (see the module docstring).
+
+    ``kind``: ``"deepspeed"`` for the config's ``scheduler`` section (DeepSpeed's schedulers count
+    ``last_batch_iteration`` from -1), ``"torch"`` for a ``torch.optim.lr_scheduler`` object
+    (``last_epoch`` from 0)."""
+
+    def __init__(self, engine, kind: str = "deepspeed"):
+        self._engine = engine
+        self.kind = kind
+
+    @property
+    def _updates(self) -> int:
+        count = update_count(self._engine.state.opt_state)
+        return int(self._engine.state.count) if count is None else count
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self._updates - 1
+
+    @property
+    def last_epoch(self) -> int:
+        return self._updates
+
+    def get_lr(self) -> list[float]:
+        """The lr the next update uses, one per param group."""
+        return self._engine.get_lr()
+
+    def get_last_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    def step(self, *args, **kwargs):
+        raise NotImplementedError(
+            "lr_scheduler.step(): the engine steps the schedule at each update (as DeepSpeed's engine does for "
+            "the scheduler it was given); stepping it again yourself is not supported")
+
+    def state_dict(self) -> dict:
+        if self.kind == "torch":
+            return {"last_epoch": self.last_epoch, "_step_count": self.last_epoch + 1,
+                    "_last_lr": self.get_last_lr()}
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state_dict: dict):
+        raise NotImplementedError("lr_scheduler.load_state_dict(): the schedule follows the update count, which "
+                                  "engine.load_checkpoint(dir) restores")
+
+
+def _config_hyperparameters(config) -> dict:
+    o = config.optimizer
+    if o is None:
+        return {}
+    if o.type == "sgd":
+        return {"momentum": o.momentum, "dampening": o.dampening, "weight_decay": o.weight_decay,
+                "nesterov": o.nesterov}
+    return {"betas": o.betas, "eps": o.eps, "weight_decay": o.weight_decay}
