@@ -91,6 +91,8 @@ def test_was_step_applied_the_boundary_and_the_grad_norm_as_torch():
     assert norms[1] == pytest.approx(ref_norms[0], rel=1e-5) and norms[3] == pytest.approx(ref_norms[1], rel=1e-5)
     assert norms[2] == norms[1]  # kept until the next update, as DeepSpeed caches it
     optimizer.zero_grad()  # nothing pending after an update
+    engine.zero_grad()
+    assert loader is engine.training_dataloader
     assert optimizer.state_dict()["state"]["step"] == 2 == engine.global_steps
     for name, p in ref.named_parameters():
         torch.testing.assert_close(engine.params()[name], p.detach(), rtol=1e-5, atol=1e-6)
@@ -187,7 +189,11 @@ def test_checkpoints_keep_client_state_and_latest(tmp_path):
     with pytest.raises(TypeError, match="client_state must be JSON-serializable"):
         engine.save_checkpoint(str(tmp_path), tag="bad", client_state={"t": torch.ones(1)})
     fresh, fresh_opt, _, fresh_sched = zds.initialize(model=Net(), config=config)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
     path, client_state = fresh.load_checkpoint(str(tmp_path))
+    assert torch.equal(torch.rand(3), expected)  # DeepSpeed's load leaves the RNG alone (zfunc's restores it)
     assert (path, client_state) == (folder, {"epoch": 4, "best": [0.5]})
     assert fresh.global_steps == 2 and fresh_sched.state_dict() == scheduler.state_dict()
     assert fresh_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]

@@ -10,7 +10,7 @@ from .arguments import add_config_arguments
 from .comm import init_distributed
 from .initialization import initialize
 from ..engine import RepeatingLoader
-from ..engine.engine import Engine as DeepSpeedEngine
+from .engine import DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "RepeatingLoader", "add_config_arguments", "comm", "init_distributed", "initialize",
            "zero"]

@@ -2,7 +2,8 @@
 optimizer and scheduler read into zfunc's (zfunc.deepspeed.client), and DeepSpeed's four values
 back: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
-The engine is zfunc's ``Engine`` (zfunc.engine.engine) with DeepSpeed's methods; the optimizer
+The engine is zfunc's ``Engine`` (zfunc.engine.engine) with DeepSpeed's methods
+(zfunc.deepspeed.engine: its load keeps the RNG as DeepSpeed's does); the optimizer
 and scheduler are its views (zfunc.engine.handles); the loader is DeepSpeed's
 (zfunc.deepspeed.data). Where the optimizer comes from follows DeepSpeed's rules: the script's
 ``optimizer`` (a torch optimizer, or a callable ``model_parameters -> optimizer``) over the
@@ -24,13 +25,13 @@ from torch import nn
 
 from .. import dist
 from ..engine import config as configuration
-from ..engine.engine import Engine
 from ..engine.handles import OptimizerHandle, SchedulerHandle
 from ..optim import Optimizer, lr as lr_schedules
 from ..pipeline import PipelineEngine, PipelineModule
 from . import zero
 from .comm import init_distributed
 from .data import DataLoader
+from .engine import DeepSpeedEngine
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None, training_data=None,
@@ -58,7 +59,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         cfg, model, optimizer, model_parameters, lr_scheduler)
     if zopt is not None and cfg.optimizer is not None:  # DeepSpeed: the script's optimizer over the config's
         cfg = dataclasses.replace(cfg, optimizer=None)
-    engine = Engine(model, cfg, optimizer=zopt, lr_scheduler=schedule)
+    engine = DeepSpeedEngine(model, cfg, optimizer=zopt, lr_scheduler=schedule)
     engine.group_schedules = group_schedules
     if groups is not None:
         engine.optimizer = OptimizerHandle(engine, groups)

@@ -165,6 +165,7 @@ class Engine(Loop):
         # what deepspeed.initialize returns beside the engine (zfunc.engine.handles)
         self.optimizer = OptimizerHandle(self)
         self.lr_scheduler = SchedulerHandle(self) if self.lr_schedule is not None else None
+        self.training_dataloader = None  # zfunc.deepspeed.initialize's, given training_data
 
     @property
     def module(self) -> Bound:
@@ -291,6 +292,10 @@ class Engine(Loop):
         self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)
+
+    def zero_grad(self) -> None:
+        """DeepSpeed's ``engine.zero_grad()``: see ``engine.optimizer.zero_grad``."""
+        self.optimizer.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next ``step()`` makes the update (DeepSpeed's rule, on its count of steps)."""
@@ -426,6 +431,10 @@ class Engine(Loop):
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """``save_16bit_model``'s old name (DeepSpeed keeps it)."""
         return self.save_16bit_model(save_dir, save_filename)
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for ``close``."""
+        self.close()
 
     def close(self) -> None:
         """Remove the state's swap files (offload to NVMe)."""
