@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import torch
 
 import zfunc as zf
-from zfunc.checkpoint import hf_export, hf_files
+from zfunc.checkpoint import hf_export, hf_files, stream
 from models import batch, build, local, loss
 from workers import workers
 
@@ -229,7 +229,7 @@ def export_streaming(directory: str) -> int:
     model = hf_model("llama")
     step = zf.zero3(zf.offload_nvme(zf.train_step(lambda p, x: zf.apply(model, p, input_ids=x, labels=x).loss,
                                                   zf.optim.adamw(1e-3)), os.path.join(directory, "swap")))
-    original, alive = hf_export.unit_values, []
+    original, alive = stream.unit_values, []
 
     def spy(params, i):
         assert all(ref() is None for ref in alive), "a unit gathered before is still in memory"
@@ -237,12 +237,12 @@ def export_streaming(directory: str) -> int:
         alive.append(weakref.ref(out))
         return out
 
-    hf_export.unit_values = spy
+    stream.unit_values = spy  # where save_hf's units are gathered (the weights' stream)
     try:
         with step.init(model) as state:
             zf.checkpoint.save_hf(state, os.path.join(directory, "out"), max_shard_size=SHARD)
     finally:
-        hf_export.unit_values = original
+        stream.unit_values = original
     return len(alive)
 
 

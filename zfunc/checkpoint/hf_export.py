@@ -44,7 +44,7 @@ from .. import dist, swap
 from . import peft_export
 from .files import dtype_of, free_space_error, fsync_dir, write_text
 from .hf_files import CONFIG, INDEX, ModelFolder, Planned, SafetensorsFile, config_dict
-from ..state import master_params, unit_values
+from .stream import named_values, plan_tensors
 
 
 def save_hf(state, directory: str, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
@@ -76,25 +76,8 @@ def save_hf(state, directory: str, *, dtype: torch.dtype | None = None, max_shar
         raise ValueError("save_hf: this state is a peft model's (its names are under 'base_model.model.'), which "
                          "no from_pretrained loads as they are: pass model=, the PeftModel step.init took, to write "
                          "its adapters as PeftModel.save_pretrained does, and merged=True for the merged model")
-    transient = set(spec.model.transient_buffers)
-    buffers = {n: b for n, b in state.buffers.items() if n not in transient}
-    trainable = master_params(state)
-    pieces = [(params, i) for i in range(len(spec.model.units)) for params in (trainable, state.frozen)]
-    segments = [([(e.name, e.shape) for e in params.spec.segment(i).entries], params.spec.segment(i).dtype)
-                for params, i in pieces]
-    plan, parameters = _plan(segments, [(n, tuple(b.shape), b.dtype) for n, b in buffers.items()], dtype)
-    dtypes = {t.name: t.dtype for t in plan}
-
-    def values():
-        for params, i in pieces:
-            if params.spec.segment(i).entries:
-                views = params.spec.segment(i).unflatten(unit_values(params, i))
-                for name in list(views):  # each handed over, so the unit is freed once its last is written
-                    yield name, views.pop(name).to("cpu", dtypes[name])
-        for name, b in buffers.items():
-            yield name, b.to("cpu", dtypes[name])
-
-    return _write(directory, plan, parameters, max_shard_size, config, values(), spec.process_group,
+    plan, parameters, values = named_values(state, dtype, "cpu")
+    return _write(directory, plan, parameters, max_shard_size, config, values, spec.process_group,
                   collective=True, overwrite=overwrite)
 
 
@@ -204,23 +187,6 @@ def safetensors_from_saved(saved, path: str, dtype: torch.dtype) -> str:
     return path
 
 
-def _plan(segments, buffers, dtype) -> tuple[list[Planned], Counter]:
-    """Every tensor to write, in the order they come (unit by unit, each unit's trainable then frozen
-    parameters, then the buffers), and how many parameter elements are written in each dtype.
-
-    ``segments``: ``[([(name, shape)], the model's dtype)]``; ``buffers``: ``[(name, shape, dtype)]``."""
-    plan, parameters = [], Counter()
-    for entries, model_dtype in segments:
-        for name, shape in entries:
-            t = Planned(name, tuple(shape), model_dtype if dtype is None or not model_dtype.is_floating_point
-                        else dtype)
-            plan.append(t)
-            parameters[t.dtype] += math.prod(t.shape)
-    for name, shape, b_dtype in buffers:
-        plan.append(Planned(name, shape, dtype if dtype is not None and b_dtype.is_floating_point else b_dtype))
-    return plan, parameters
-
-
 def _from_saved(saved, dtype):
     """``(plan, parameter elements, values)`` of checkpoint ``saved``: ``values`` yields each tensor,
     reading one unit at a time and releasing what was read of the files after each."""
@@ -240,7 +206,7 @@ def _from_saved(saved, dtype):
         if role.startswith("buffers['") and lay == "tensor" and kept:
             entry = saved.files[0].entry(role)
             buffers.append((role, name, tuple(entry["shape"]), dtype_of(entry["dtype"])))
-    plan, parameters = _plan(segments, [b[1:] for b in buffers], dtype)
+    plan, parameters = plan_tensors(segments, [b[1:] for b in buffers], dtype)
     dtypes = {t.name: t.dtype for t in plan}
 
     def values():
