@@ -7,7 +7,7 @@ from typing import Any
 import optree
 import torch
 
-from . import dist, swap
+from . import dist, layout, swap
 from .pytree import NAMESPACE, register_node, tree_leaves
 from .tree import Fault, Params
 
@@ -154,7 +154,11 @@ def memory_report(state: State) -> dict:
     and, under ``"by_home"``, the same bytes split by where they live: ``"device"``
     (accelerator memory; on a CPU-only machine, RAM), ``"pinned"`` (page-locked
     host memory), ``"host"`` (other host memory, when an accelerator holds the rest),
-    ``"disk"`` (swap files of ``offload_nvme``)."""
+    ``"disk"`` (swap files of ``offload_nvme``). The value ``zf.offload_states`` returns reports
+    itself: where its moved parts went, under ``"offloaded"``."""
+    offloaded = getattr(state, "memory_report", None)  # zfunc.residency's OffloadedState
+    if offloaded is not None:
+        return offloaded()
     by_home = {"device": 0, "pinned": 0, "host": 0, "disk": 0}
     # on a GPU machine the CPU is the host even when every leaf lives there (the CPU parameter tier)
     accelerated = torch.cuda.is_available() or any(
@@ -241,3 +245,69 @@ def unit_values(params: Params, i: int) -> torch.Tensor:
         return leaf
     # a host shard (swap file, offload_cpu's master) goes where nccl gathers
     return dist.all_gather(leaf.to(dist.device_of(spec.process_group)), spec.process_group)
+
+
+def write_params(state: State, values: dict[str, torch.Tensor]) -> None:
+    """Write the full values of named parameters into ``state``, in place: every copy of them it
+    keeps (the parameters or frozen parameters, mixed precision's fp32 master weights, offload's
+    host copy), each rank its own part of each unit (its shard, or all of a replicated unit), cast
+    to each copy's dtype, wherever it lives (device, host, swap file). The optimizer's moments and
+    step counts are left as they are. ``values``: full tensors keyed by ``model.named_parameters()``
+    names (a tied weight by any of its names), the same on every rank; no collective
+    (``zfunc.deepspeed.zero.GatheredParameters`` broadcasts them first)."""
+    spec = state.params.spec.model
+    by_kind: dict[bool, dict[str, torch.Tensor]] = {True: {}, False: {}}
+    for name, value in values.items():
+        if name not in spec.parameter_names:
+            raise KeyError(f"{name!r} is not a parameter of this state's model")
+        by_kind[spec.owner_of(name)[1]][spec.canonical_name(name)] = value
+    store = swap.open_store(state)
+    if store is not None:
+        store.drop_resident()  # the files are about to change under it
+    copies = [state.params] + _parameter_copies(state.opt_state)
+    for node in copies if by_kind[True] else []:
+        _write_node(node, by_kind[True], store)
+    if by_kind[False]:
+        _write_node(state.frozen, by_kind[False], store)
+
+
+def _parameter_copies(opt_state) -> list[Params]:
+    """The ``Params`` nodes of ``opt_state`` that hold the parameters' values (``wrapper_role``: the
+    master weights, offload's host copy), not the optimizer's own state."""
+    accessors, nodes, _ = optree.tree_flatten_with_accessor(opt_state, is_leaf=lambda x: isinstance(x, Params),
+                                                            namespace=NAMESPACE)
+    out = []
+    for accessor, node in zip(accessors, nodes):
+        roles = [wrapper_role(e.type, getattr(e.type, "_fields", ())[e.entry]) for e in accessor
+                 if isinstance(e.entry, int) and e.entry < len(getattr(e.type, "_fields", ()))]
+        if isinstance(node, Params) and any(r is not None and r != INNER for r in roles):
+            out.append(node)
+    return out
+
+
+def _write_node(node: Params, values: dict[str, torch.Tensor], store) -> None:
+    """This rank's elements of ``values`` into ``node``'s leaves (``Params.parameter_ranges`` finds them)."""
+    leaves = node.leaves  # waits for gathers and updates still writing them
+    for i, leaf in enumerate(leaves):
+        if leaf is None:
+            continue
+        entries = node.spec.segment(i).entries
+        ranges = [(e, r) for e, r in zip(entries, node.parameter_ranges(i)) if e.name in values and r[0] < r[1]]
+        if not ranges:
+            continue
+        target = swap.load(leaf) if swap.on_disk(leaf) else leaf
+        for e, (lo, hi) in ranges:
+            start = lo + _leaf_start(node, i) - e.offset  # where the leaf's piece starts within the parameter
+            piece = values[e.name].detach().reshape(-1)[start:start + hi - lo]
+            target.view(-1)[lo:hi].copy_(piece.to(device=target.device, dtype=target.dtype))
+        if target is not leaf:
+            store.write_now(target, leaf)
+
+
+def _leaf_start(node: Params, i: int) -> int:
+    """Where unit ``i``'s leaf starts within the unit's full flat buffer."""
+    start = node._starts.get(i, 0)
+    if node.spec.sharded[i]:
+        home = layout.home_numel(node.spec.segment(i).padded, dist.world_size(node.spec.process_group), True)
+        start += layout.shard_start(dist.rank(node.spec.process_group), home)
+    return start

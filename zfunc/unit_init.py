@@ -38,7 +38,7 @@ from torch import nn
 
 from . import buffers, compiled
 from .weights import hf_init, peft_init
-from .tree import ModelSpec, Segment
+from .tree import ModelSpec, Segment, build_spec
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -76,6 +76,26 @@ def unit_buffers(model: nn.Module, spec: ModelSpec, device, init_fn: Callable | 
                 weights.fill(s, flat)
         yield i, *flats, True
     _init_buffers(model, device, init, weights)
+
+
+def init_parameters(model: nn.Module, names, device="cpu") -> dict[str, torch.Tensor]:
+    """The values the named meta-device parameters of ``model`` get from their modules' own init, as
+    ``step.init`` initializes a unit (the module docstring's order of precedence), without making the
+    rest of the model: new tensors on ``device``, keyed by canonical name. The named parameters stay on
+    the meta device; buffers of their modules are made, as init makes them (``zero.GatheredParameters``
+    on a model built inside ``zero.Init``)."""
+    spec = build_spec(model)
+    wanted = {spec.canonical_name(n) for n in names}
+    owners = [(path, module, attrs) for unit in _owning_modules(model, spec).values() for path, module, attrs in unit
+              if any((f"{path}.{a}" if path else a) in wanted for a, _ in attrs)]
+    out = {}
+    with _materialized(owners, torch.device(device), _Init(model, None), None):
+        for path, module, attrs in owners:
+            for attr, _ in attrs:
+                name = f"{path}.{attr}" if path else attr
+                if name in wanted:
+                    out[name] = module._parameters[attr].detach().clone()
+    return out
 
 
 def _flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:
@@ -119,6 +139,10 @@ class _materialized:
     def __enter__(self):
         touched, tied = [], []
         with torch.no_grad():
+            # a module's real parameters (given values before init: zero.GatheredParameters) are kept,
+            # though its init (reset_parameters()) writes all of them
+            kept = [(p, p.detach().clone()) for _, module, _ in self.owners for p in module._parameters.values()
+                    if p is not None and not p.is_meta]
             for path, module, attrs in self.owners:
                 made = []
                 for attr, aliases in attrs:
@@ -136,6 +160,8 @@ class _materialized:
                 touched.append((path, module, made))
             try:
                 self.init.run(touched, tied)
+                for p, value in kept:
+                    p.copy_(value)
             except BaseException:
                 self.__exit__()
                 raise

@@ -1,0 +1,200 @@
+"""``zfunc.deepspeed.zero.Init``: the model built on the meta device, each unit made at ``initialize``
+by the model's own init (in distribution, as tests/weights/test_hf_meta_init.py proves for meta-built
+models: random draws come in another order, so values equal only where the init is deterministic);
+pretrained weights read into it train as the plain model does; before ``initialize``,
+``GatheredParameters`` gives its parameters their init and keeps what the block writes there."""
+import json
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import zfunc as zf
+import zfunc.deepspeed as deepspeed
+from test_gathered_parameters import EPS, LR, Plain, batch, build, config, loss_of
+from test_hf_meta_init import assert_same_init
+from workers import workers
+
+HF = {"gpt2": ("GPT2LMHeadModel", lambda: transformers.GPT2Config(
+    vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    bos_token_id=0, eos_token_id=0)),
+      "llama": ("LlamaForCausalLM", lambda: transformers.LlamaConfig(
+          vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+          num_key_value_heads=1, max_position_embeddings=32))}
+
+
+def built_normally(kind: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = getattr(transformers, HF[kind][0])(HF[kind][1]())
+    return {**{k: v.detach() for k, v in model.named_parameters()}, **dict(model.named_buffers())}
+
+
+def test_init_builds_on_the_meta_device_and_enabled_false_builds_normally():
+    with deepspeed.zero.Init():
+        plain = Plain()
+        hf = transformers.AutoModelForCausalLM.from_config(HF["llama"][1]())
+    assert all(p.is_meta for p in [*plain.parameters(), *hf.parameters()])
+    with deepspeed.zero.Init(enabled=False):
+        real = build("plain")
+    assert not any(p.is_meta for p in real.parameters())
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(real.parameters(), Plain().parameters()))
+    with deepspeed.zero.Init(), deepspeed.zero.Init():  # nested, as transformers may nest it
+        nested = Plain()
+    assert nested.head.weight.is_meta and not torch.empty(1).is_meta
+
+
+def test_arguments_that_change_nothing_are_accepted_and_the_others_named(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+                                "bf16": {"enabled": True}}))
+    accepted = [dict(module=nn.Linear(2, 2), data_parallel_group=None, mem_efficient_linear=False, remote_device="cpu",
+                     pin_memory=True, mpu=object(), param_swapper=object(), zero_param_parallel_group=None,
+                     sequence_data_parallel_group=None),
+                dict(config_dict_or_path=str(path), dtype=torch.bfloat16),
+                dict(config={"fp16": {"enabled": True}}, dtype=torch.float16), dict(dtype=torch.float32)]
+    for kw in accepted:
+        with deepspeed.zero.Init(**kw):
+            assert nn.Linear(2, 2).weight.is_meta
+    refused = [(dict(zero_quantized_weights=True), "zero_quantized_weights"),
+               (dict(config_dict_or_path={"zero_optimization": {"zero_quantized_nontrainable_weights": True}}),
+                "zero_quantized_nontrainable_weights"),
+               (dict(tensor_overrides=[]), "tensor_overrides"),
+               (dict(dtype=torch.bfloat16), "dtype=torch.bfloat16")]
+    for kw, named in refused:
+        with pytest.raises(ValueError, match=named):
+            deepspeed.zero.Init(**kw)
+
+
+def meta_built_state(kind: str) -> dict:
+    """Every parameter and buffer of the engine's state, the model built inside Init."""
+    with deepspeed.zero.Init():
+        model = transformers.AutoModelForCausalLM.from_config(HF[kind][1]())
+    torch.manual_seed(7)
+    engine, *_ = deepspeed.initialize(model=model, config=config("zero3", zf.dist.world_size()))
+    try:
+        return {**zf.gather_params(engine.state), **engine.state.buffers}
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow  # the fast tier: test_hf_meta_init (meta-built models) and the gathered test at the end
+@pytest.mark.parametrize("kind,world", [("gpt2", 2), ("gpt2", 1), ("llama", 1), ("llama", 2)])
+def test_initialize_makes_each_unit_by_the_models_own_init(kind, world):
+    transformers.logging.set_verbosity_error()
+    a, b = built_normally(kind, 0), built_normally(kind, 1)
+    for got in workers(world).run(meta_built_state, kind):
+        assert_same_init(got, a, b, f"{kind}: ")
+
+
+def pretrained_run(kind: str, folder: str, steps: int) -> dict:
+    """The model built inside Init, its weights read from ``folder``, trained ``steps`` steps."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    with deepspeed.zero.Init():
+        model = transformers.AutoModelForCausalLM.from_config(HF[kind][1]())
+    engine = zf.initialize(model, config("zero3", world), weights=folder)
+    deepspeed.zero.register_engine(engine)
+    try:
+        for i in range(steps):
+            engine.train_batch(iter([batch(100 * i + rank)]))
+        return zf.gather_params(engine.state)
+    finally:
+        engine.close()
+
+
+def plain_from(model: nn.Module, world: int, steps: int) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.01)
+    for i in range(steps):
+        opt.zero_grad()
+        (sum(loss_of(model(**batch(100 * i + r))) for r in range(world)) / world).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def assert_trained_alike(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name, value in got.items():
+        torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_a_model_built_inside_init_with_pretrained_weights_trains_as_the_plain_one(kind, tmp_path):
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    getattr(transformers, HF[kind][0])(HF[kind][1]()).save_pretrained(tmp_path)
+    want = plain_from(transformers.AutoModelForCausalLM.from_pretrained(tmp_path), 2, 3)
+    for got in workers(2).run(pretrained_run, kind, str(tmp_path), 3):
+        assert_trained_alike(got, want)
+
+
+def loaded_module_by_module(kind: str, state_dict: dict, steps: int) -> dict:
+    """DeepSpeed's way of loading a state_dict into a model built inside Init (GatheredParameters'
+    docstring): each module's own parameters gathered, loaded on rank 0, broadcast on exit."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    with deepspeed.zero.Init():
+        model = Plain() if kind == "plain" else transformers.AutoModelForCausalLM.from_config(HF[kind][1]())
+    seen = {}
+
+    def load(module: nn.Module, prefix: str = "") -> None:
+        own = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
+            seen["real"] = seen.get("real", True) and not any(p.is_meta for p in own)
+            if rank == 0:
+                module._load_from_state_dict(state_dict, prefix, {}, True, [], [], [])
+        for name, child in module._modules.items():
+            if child is not None:
+                load(child, prefix + name + ".")
+
+    with torch.no_grad():
+        load(model)
+    seen["broadcast"] = all(torch.equal(p, state_dict[n]) for n, p in model.named_parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=config("zero3", world))
+    try:
+        seen["kept_at_init"] = all(torch.equal(v, state_dict[n]) for n, v in zf.gather_params(engine.state).items())
+        for i in range(steps):
+            engine.train_batch(iter([batch(100 * i + rank)]))
+        seen["params"] = zf.gather_params(engine.state)
+        return seen
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", pytest.param("gpt2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_a_state_dict_loaded_inside_gathered_parameters_is_what_initialize_starts_from(kind, world):
+    """Before initialize: GatheredParameters gives each meta parameter real storage, rank 0 loads the
+    module's weights, the exit broadcasts them; initialize keeps them (it initializes only what is
+    still on the meta device) and training equals plain PyTorch's from that state_dict."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(3)
+    source = build(kind) if kind == "plain" else getattr(transformers, HF[kind][0])(HF[kind][1]())
+    state_dict = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    want = plain_from(source, world, 2)
+    for got in workers(world).run(loaded_module_by_module, kind, state_dict, 2):
+        assert got["real"] and got["broadcast"] and got["kept_at_init"], {k: v for k, v in got.items() if k != "params"}
+        assert_trained_alike(got["params"], want)
+
+
+def test_gathered_parameters_before_initialize_reads_the_models_init_and_discards_without_modifier():
+    """A meta parameter gathered before initialize holds its module's init (transformers' for a Hugging
+    Face model); modifier_rank=None puts back what it held at the block's start."""
+    transformers.logging.set_verbosity_error()
+    with deepspeed.zero.Init():
+        model = transformers.AutoModelForCausalLM.from_config(HF["gpt2"][1]())
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(params.values()):
+        got = {k: p.detach().clone() for k, p in params.items()}
+    a, b = built_normally("gpt2", 0), built_normally("gpt2", 1)
+    assert_same_init(got, {k: a[k] for k in got}, {k: b[k] for k in got}, "gpt2 gathered before initialize: ")
+    assert model.lm_head.weight is model.transformer.wte.weight and not model.lm_head.weight.is_meta  # tie kept
+    with deepspeed.zero.Init():
+        fresh = Plain()
+    with deepspeed.zero.GatheredParameters(fresh.head.bias), torch.no_grad():
+        start = fresh.head.bias.clone()
+        fresh.head.bias.fill_(3.0)
+    assert torch.equal(fresh.head.bias, start) and not start.isnan().any()
+    # now it holds data: a block leaves it alone, as DeepSpeed leaves a parameter that is not ZeRO's
+    with deepspeed.zero.GatheredParameters(fresh.head.bias), torch.no_grad():
+        fresh.head.bias.fill_(4.0)
+    assert torch.equal(fresh.head.bias, torch.full_like(start, 4.0)) and fresh.head.weight.is_meta

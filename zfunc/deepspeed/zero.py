@@ -1,0 +1,341 @@
+"""DeepSpeed's ``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters`` for zfunc engines.
+
+``Init`` builds the model on the meta device (torch's device context): nothing is allocated, and
+``step.init`` (``zfunc.deepspeed.initialize``) makes each unit from its modules' own init, one unit
+at a time, as it makes any meta-built model (zfunc.unit_init). DeepSpeed's arguments that only say
+where partitions live or how they are moved change nothing here and are accepted; those that change
+the numbers (quantized weights, a low-precision ``dtype`` the config does not train in, tensor
+overrides) are refused, named.
+
+``GatheredParameters(params, modifier_rank=)`` gives listed parameters their full values inside
+the block, on every rank (every rank enters it, as in DeepSpeed: it is collective):
+
+- after ``initialize``, the model's parameters are stand-ins of the engine's state (zfunc.lazy);
+  inside the block they read as the full fp32 values gathered from the engine's current state
+  (the master weights under mixed precision), only their units gathered. On exit, with
+  ``modifier_rank=r``, rank r's values (after the block's in-place changes) are broadcast and
+  written into every copy the state keeps (``zfunc.state.write_params``: the parameters, fp32
+  master weights, offload's host copy, swap files); optimizer moments and step counts are kept.
+  With ``modifier_rank=None`` changes are discarded.
+- before it, a parameter built inside ``Init`` (on the meta device) gets real storage holding its
+  module's init (``zfunc.unit_init.init_parameters``, as ``step.init`` would initialize it); it
+  stays real after the block, and ``step.init`` takes it as it is (a meta-built model's real
+  parameters are kept). With ``modifier_rank=r`` rank r's values are broadcast on exit; with None,
+  the values of the block's start are put back. A parameter that already holds data is left alone,
+  as DeepSpeed leaves a parameter that is not ZeRO's.
+
+``register_engine(engine)`` (called by ``zfunc.deepspeed.initialize``) marks the model's stand-ins
+with a weak reference to their engine; the engine's state, replaced every step, is read through
+the engine at the block's entry and exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import weakref
+
+import torch
+from torch import nn
+
+from .. import dist, lazy
+from ..state import State, check_usable, master_params, unit_values, write_params
+from ..unit_init import init_parameters
+
+__all__ = ["GatheredParameters", "Init", "register_engine"]
+
+_ENGINE = "_zfunc_engine"  # the attribute on a stand-in: a weak reference to its engine
+
+
+def register_engine(engine) -> None:
+    """Mark the parameters of ``engine.model`` (zfunc's stand-ins after ``step.init``) as held by
+    ``engine``, so ``GatheredParameters`` finds the engine's state from a parameter."""
+    model, state = getattr(engine, "model", None), getattr(engine, "state", None)
+    if not isinstance(model, nn.Module) or not isinstance(state, State):
+        raise TypeError(f"register_engine takes an engine of zfunc.deepspeed.initialize (with .model and .state), "
+                        f"got {type(engine).__name__}")
+    ref = weakref.ref(engine)
+    for p in model.parameters():
+        if lazy.is_lazy(p):
+            setattr(p, _ENGINE, ref)
+
+
+# ------------------------------------------------------------------ zero.Init
+
+_built: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> its parents
+_active = 0  # Init blocks open now (nested ones share the hooks)
+_hooks: list = []
+
+
+def _parameter_registered(module, name, param):
+    _built.setdefault(module, [])
+
+
+def _child_registered(module, name, child):
+    if child is not None:
+        _built.setdefault(child, []).append(weakref.ref(module))
+        _built.setdefault(module, [])
+
+
+class Init:
+    """``with zfunc.deepspeed.zero.Init(): model = MyModel()``: the model is built on the meta device.
+
+    Accepted and meaningless here (the model holds no data until ``initialize``, whose config and
+    process group decide how each unit is sharded, placed and stored): ``module`` (a model built
+    already keeps its values; ``step.init`` shards them), ``data_parallel_group``,
+    ``sequence_data_parallel_group``, ``zero_param_parallel_group``, ``mpu``,
+    ``mem_efficient_linear``, ``remote_device``, ``pin_memory``, ``param_swapper``, and the
+    config's placement keys. Refused, since they change the numbers: ``zero_quantized_weights``,
+    ``zero_quantized_nontrainable_weights`` (here or in the config), ``tensor_overrides``, and a
+    ``dtype`` other than fp32 unless the config trains in it (zfunc stores units in the config's
+    ``bf16``/``fp16`` dtype and keeps fp32 master weights made from the fp32 init).
+    ``enabled=False`` builds the model normally.
+    """
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
+                 zero_param_parallel_group=None, zero_quantized_weights=False,
+                 zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None,
+                 tensor_overrides=None):
+        self.enabled = enabled
+        self.module = module
+        cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
+        zero = cfg.get("zero_optimization") or {}
+        refused = [name for name, on in (
+            ("zero_quantized_weights", zero_quantized_weights or zero.get("zero_quantized_weights")),
+            ("zero_quantized_nontrainable_weights",
+             zero_quantized_nontrainable_weights or zero.get("zero_quantized_nontrainable_weights")),
+            ("tensor_overrides", tensor_overrides is not None)) if on]
+        if refused:
+            raise ValueError(f"zero.Init({', '.join(refused)}): zfunc does not quantize or override the weights a "
+                             "model is built with; leave it out (the model is built on the meta device and each unit "
+                             "initialized in full precision at initialize)")
+        if dtype is not None and dtype != torch.float32 and dtype != _config_dtype(cfg):
+            raise ValueError(
+                f"zero.Init(dtype={dtype}): zfunc builds the model in fp32 on the meta device and stores each unit in "
+                "the dtype of the config's bf16/fp16 block (fp32 master weights from the fp32 init); pass that "
+                "config to initialize and leave dtype out (or pass config_dict_or_path= with it enabled)")
+
+    def __enter__(self) -> "Init":
+        global _active
+        if not self.enabled:
+            return self
+        self._device = torch.device("meta")
+        self._device.__enter__()
+        if _active == 0:
+            from torch.nn.modules import module as m
+            _hooks.append(m.register_module_parameter_registration_hook(_parameter_registered))
+            _hooks.append(m.register_module_module_registration_hook(_child_registered))
+        _active += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        if not self.enabled:
+            return
+        _active -= 1
+        if _active == 0:
+            while _hooks:
+                _hooks.pop().remove()
+        self._device.__exit__(*exc)
+
+
+def _read_config(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    with open(config) as f:
+        return json.load(f)
+
+
+def _config_dtype(cfg: dict):
+    if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (cfg.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return None
+
+
+def _root_of(p: torch.Tensor) -> tuple[nn.Module, str] | None:
+    """The outermost module built inside ``Init`` above the module that owns ``p``, and ``p``'s name in it."""
+    owner = next((m for m in list(_built.keys()) if any(q is p for q in m._parameters.values())), None)
+    if owner is None:
+        return None
+    root = owner
+    while True:
+        parents = [r() for r in _built.get(root, [])]
+        parents = [m for m in parents if m is not None]
+        if not parents:
+            break
+        root = parents[0]
+    name = next((n for n, q in root.named_parameters(remove_duplicate=False) if q is p), None)
+    return (root, name) if name is not None else None
+
+
+# ------------------------------------------------------- zero.GatheredParameters
+
+_open: set = set()  # (id(engine), name) of stand-ins gathered by an open block
+
+
+class _Values:
+    """The resolver stand-ins read through inside a block (zfunc.lazy): the gathered values of the
+    listed parameters; any other stand-in goes to the resolver below, or is refused."""
+
+    def __init__(self, values: dict[str, torch.Tensor], below):
+        self.values, self.below = values, below
+
+    def resolve(self, name: str) -> torch.Tensor:
+        if name in self.values:
+            return self.values[name]
+        if self.below is not None:
+            return self.below.resolve(name)
+        raise RuntimeError(f"parameter {name!r} is held by the engine's state and was not listed in this "
+                           "GatheredParameters block: list it there to read it, or run the model through the engine")
+
+
+class GatheredParameters:
+    """``with GatheredParameters(params, modifier_rank=0):`` full values of ``params`` (one parameter or
+    an iterable of them) inside the block, on every rank; written back on exit from ``modifier_rank``
+    (None: discarded). The module docstring says what happens before and after ``initialize``.
+
+    Every rank of the engine's group must enter the block with the same parameters and
+    ``modifier_rank`` (as in DeepSpeed): entry gathers and exit broadcasts. Ranks that pass different
+    ones are told so on every rank; a rank that never enters leaves the others waiting in the gather
+    until zfunc's collective timeout names it (gloo), as a step would. A block left by an exception
+    writes nothing back and issues no collective. ``fwd_module`` is accepted and meaningless: any read
+    of a stand-in inside a forward already materializes its unit. ``enabled=False``: a no-op.
+    """
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled=True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+        if bad:
+            raise TypeError(f"GatheredParameters takes a parameter or an iterable of parameters, got {', '.join(bad)}")
+        seen, self.params = set(), []
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+        if modifier_rank is not None and not isinstance(modifier_rank, int):
+            raise TypeError(f"GatheredParameters(modifier_rank={modifier_rank!r}): a rank (int) or None")
+        self.modifier_rank = modifier_rank
+        self._stack = contextlib.ExitStack()
+
+    # ------------------------------------------------------------------ entry
+
+    def __enter__(self):
+        if not self.enabled:
+            return
+        held = [p for p in self.params if lazy.is_lazy(p)]
+        meta = [p for p in self.params if not lazy.is_lazy(p) and p.is_meta]
+        self._engine = self._values = None
+        self._built = []
+        if held:
+            self._gather(held)
+        if meta:
+            self._materialize(meta)
+
+    def _gather(self, held: list) -> None:
+        engines = {id(e): e for e in (self._engine_of(p) for p in held)}
+        if len(engines) > 1:
+            raise ValueError("GatheredParameters: these parameters belong to models of different engines; gather "
+                             "each engine's in a block of its own")
+        engine = next(iter(engines.values()))
+        state = engine.state
+        spec = state.params.spec.model
+        group = state.params.spec.process_group
+        names = sorted({p._zfunc_name for p in held}, key=lambda n: (spec.owner_of(n), n))
+        overlap = [n for n in names if (id(engine), n) in _open]
+        if overlap:
+            raise RuntimeError(f"GatheredParameters: {overlap} already gathered by an enclosing block; nested blocks "
+                               "cannot gather a parameter twice (as in DeepSpeed)")
+        world = dist.world_size(group)
+        if self.modifier_rank is not None and not 0 <= self.modifier_rank < world:
+            raise ValueError(f"GatheredParameters(modifier_rank={self.modifier_rank}): the engine's group has ranks "
+                             f"0 to {world - 1}")
+        if world > 1:
+            digest = hashlib.blake2b("|".join(names).encode(), digest_size=7).digest()
+            mine = (int.from_bytes(digest, "little"), -1 if self.modifier_rank is None else self.modifier_rank)
+            if not dist.same_everywhere(mine, group):
+                raise ValueError("GatheredParameters: the ranks entered with different parameters or modifier_rank; "
+                                 "every rank must enter the block with the same ones (it gathers and broadcasts)")
+        check_usable(state, collective=True)
+        device = dist.device_of(group)
+        values, units = {}, {}
+        for name in names:
+            units.setdefault(spec.owner_of(name), []).append(name)
+        for (i, trainable), unit_names in sorted(units.items()):
+            node = master_params(state) if trainable else state.frozen
+            views = node.spec.segment(i).unflatten(unit_values(node, i))
+            for name in unit_names:
+                values[name] = views[name].to(device=device, dtype=torch.float32, copy=True)
+        self._engine, self._values = engine, values
+        self._keys = [(id(engine), n) for n in names]
+        _open.update(self._keys)
+        self._stack.callback(_open.difference_update, self._keys)
+        self._stack.enter_context(lazy.resolving(_Values(values, lazy.current())))
+
+    @staticmethod
+    def _engine_of(p):
+        ref = getattr(p, _ENGINE, None)
+        engine = ref() if ref is not None else None
+        if engine is None:
+            raise ValueError(
+                f"GatheredParameters: parameter {p._zfunc_name!r} is held by a zfunc State that no live engine "
+                "registered; gather the parameters of a model given to zfunc.deepspeed.initialize (after zf.initialize "
+                "or step.init, call zfunc.deepspeed.zero.register_engine(engine), or read zf.gather_params(state))")
+        return engine
+
+    def _materialize(self, meta: list) -> None:
+        found = {}
+        for p in meta:
+            where = _root_of(p)
+            if where is None:
+                raise ValueError(
+                    f"GatheredParameters: a parameter of shape {tuple(p.shape)} is on the meta device but was not built "
+                    "inside zfunc.deepspeed.zero.Init, so its module and init are not known: build the model inside "
+                    "zero.Init(), or give it real values first")
+            found.setdefault(id(where[0]), (where[0], []))[1].append((where[1], p))
+        for root, named in found.values():
+            values = init_parameters(root, [n for n, _ in named], device="cpu")
+            for name, p in named:
+                real = nn.Parameter(values[_canonical(root, name, values)], requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, real)  # the same object, now holding data, in every slot
+                self._built.append((p, p.detach().clone()))
+
+    # ------------------------------------------------------------------- exit
+
+    def __exit__(self, exc_type, *exc):
+        if not self.enabled:
+            return
+        try:
+            self._stack.close()  # the stand-ins refuse reads again
+            if exc_type is not None:
+                return
+            if self._values is not None and self.modifier_rank is not None:
+                state = self._engine.state
+                group = state.params.spec.process_group
+                for value in self._values.values():  # in the sorted order every rank agreed on
+                    dist.broadcast(value, self.modifier_rank, group)
+                write_params(state, self._values)
+            for p, before in self._built:
+                with torch.no_grad():
+                    if self.modifier_rank is None:
+                        p.copy_(before)
+                    elif dist.world_size() > 1:
+                        dist.broadcast(p.data, self.modifier_rank)
+        finally:
+            self._values = self._engine = None
+            self._built = []
+
+
+def _canonical(root: nn.Module, name: str, values: dict) -> str:
+    """The key ``init_parameters`` gave ``name`` (a tied parameter's first name)."""
+    if name in values:
+        return name
+    target = root.get_parameter(name)
+    return next(n for n, q in root.named_parameters() if q is target)
