@@ -56,6 +56,8 @@ def train_and_save(kind: str, method: str, how: str, base: str, out: str, steps:
             state, _ = step(state, tokens(2 * world, seed=i)[2 * rank: 2 * rank + 2])
         zf.checkpoint.save_hf(state, os.path.join(out, "adapter"), model=model)
         zf.checkpoint.save_hf(state, os.path.join(out, "merged"), model=model, merged=True, max_shard_size="20KB")
+        if method == "two":  # one adapter of two: its subfolder only, as save_pretrained(selected_adapters=)
+            zf.checkpoint.save_hf(state, os.path.join(out, "selected"), model=model, selected_adapters=["other"])
         return zf.gather_params(state)
 
 
@@ -149,6 +151,10 @@ def test_adapters_and_merged_model_are_what_peft_writes(kind, method, how, world
     check_adapters(tmp_path / "adapter", plain_peft(kind, method, params), plain_peft(kind, method, params).unload(),
                    tmp_path)
     check_merged(tmp_path / "merged", plain_peft(kind, method, params))
+    if method == "two":
+        assert os.listdir(tmp_path / "selected") == ["other"]
+        got, want = adapter_tensors(tmp_path / "selected" / "other"), adapter_tensors(tmp_path / "adapter" / "other")
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_save_hf_refuses_what_it_would_write_wrong(base, tmp_path):
