@@ -180,3 +180,53 @@ def test_bad_arguments_are_named():
     errors = workers(1).run(bad_arguments, "/tmp")[0]
     assert "names='vllm'" in errors[0] and "only names='hf'" in errors[0]
     assert all("positive whole number of bytes" in e for e in errors[1:])
+
+
+def peft_stream(kind: str, method: str, how: str, base: str, out: str):
+    """A peft model trained under ``how``: the merged stream, the adapter's stream, and save_hf's
+    merged folder and adapter folder of the same state."""
+    from test_peft_export import compose as peft_compose, make_peft
+    from test_hf_weights import tokens
+
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = make_peft(kind, method)
+    step = peft_compose(how, zf.train_step(lambda p, x: zf.apply(model, p, input_ids=x, labels=x).loss,
+                                           zf.optim.adamw(1e-2)), os.path.join(out, f"swap-{rank}"))
+    with step.init(model, weights=base) as state:
+        for i in range(2):
+            state, _ = step(state, tokens(2 * world, seed=i)[2 * rank: 2 * rank + 2])
+        merged = [(n, t.clone()) for n, t in iter_weights(state, model=model, bucket_bytes=4096)]
+        adapter = dict(iter_weights(state, model=model, merged=False, bucket_bytes=1))
+        zf.checkpoint.save_hf(state, os.path.join(out, "merged"), model=model, merged=True)
+        zf.checkpoint.save_hf(state, os.path.join(out, "adapter"), model=model)
+        errors = []
+        for kw in (dict(), dict(model=model, adapter="default")):
+            try:
+                iter_weights(state, **kw)
+            except ValueError as e:
+                errors.append(str(e))
+        return merged, adapter, errors
+
+
+@pytest.mark.parametrize("kind,method,how,world", [
+    pytest.param("llama", "lora", "zero3", 2, id="llama-lora-zero3-W2"),
+    pytest.param("gpt2", "ia3", "bf16", 3, id="gpt2-ia3-bf16-W3", marks=pytest.mark.slow),
+])
+def test_a_peft_model_streams_its_merged_weights_or_its_adapter(kind, method, how, world, tmp_path):
+    """The merged stream is save_hf(merged=True)'s folder (merge_and_unload()'s weights, tested against
+    peft in test_peft_export); the adapter's stream is the adapter file peft reads."""
+    from test_hf_weights import build
+
+    base = tmp_path / "base"
+    build(kind).save_pretrained(base)
+    merged, adapter, errors = workers(world).run(peft_stream, kind, method, how, str(base), str(tmp_path))[0]
+    files = {}
+    for f in os.listdir(tmp_path / "merged"):
+        if f.endswith(".safetensors"):
+            files.update(safetensors.load_file(str(tmp_path / "merged" / f)))
+    assert [n for n, _ in merged] and {n for n, _ in merged} == set(files)
+    assert all(torch.equal(t, files[n]) for n, t in merged)
+    want = safetensors.load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert set(adapter) == set(want) and all(torch.equal(adapter[k], v) for k, v in want.items())
+    assert "peft model's" in errors[0] and "pass model=" in errors[0]
+    assert "pass merged=False" in errors[1]

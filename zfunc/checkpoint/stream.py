@@ -22,6 +22,7 @@ import torch
 
 from .. import dist
 from ..state import check_usable, master_params, unit_values
+from . import peft_export
 from .hf_files import Planned
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20  # a few units of a 7B model; verl streams 2 GB, vLLM's own loaders less
@@ -73,7 +74,8 @@ def plan_tensors(segments, buffers, dtype) -> tuple[list[Planned], Counter]:
 
 
 def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 names: str = "hf", device=None, buckets: bool = False):
+                 names: str = "hf", device=None, buckets: bool = False, model=None, merged: bool = True,
+                 adapter: str | None = None):
     """Yield ``(name, tensor)`` for every weight of ``state`` (see the module docstring), every rank.
 
     ``dtype``: every floating-point tensor cast to it (``torch.bfloat16`` for an inference
@@ -82,7 +84,13 @@ def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int =
     own names as ``save_hf`` writes them. ``device``: where the tensors are handed out; None:
     where the state's collectives run (the GPU under nccl, for an IPC or NCCL hand-off; the CPU
     under gloo). ``buckets``: yield each bucket as a list of ``(name, tensor)`` instead, for a
-    consumer that packs them."""
+    consumer that packs them.
+
+    A peft model's state (``model=``: the ``PeftModel`` ``step.init`` took): with ``merged=True``
+    the weights of its ``merge_and_unload()`` under the base model's names (an inference engine
+    running the base architecture), else the tensors of ``adapter`` (the active one by default)
+    as ``PeftModel.save_pretrained`` names them (an engine that serves LoRA adapters); what
+    ``save_hf(..., model=, merged=)`` writes."""
     if names != "hf":
         raise ValueError(f"iter_weights(names={names!r}): only names='hf' (the model's own names, as save_hf "
                          "writes them) is offered")
@@ -92,8 +100,37 @@ def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int =
     sharded = any(state.params.spec.sharded) or any(state.frozen.spec.sharded)
     check_usable(state, collective=sharded)
     device = dist.device_of(group) if device is None else torch.device(device)
-    _, _, values = named_values(state, dtype, device)
+    values = _peft_values(state, model, merged, adapter, dtype, device)
+    if values is None:
+        _, _, values = named_values(state, dtype, device)
     return _buckets(values, bucket_bytes) if buckets else _pairs(_buckets(values, bucket_bytes))
+
+
+def _peft_values(state, model, merged: bool, adapter: str | None, dtype, device):
+    """A peft model's merged weights or one adapter's tensors, on ``device``; None for another model."""
+    names = [n for n, _ in state.params.spec.model.owner]
+    if model is not None:
+        state.params.spec.model.check_model(model)
+    if not peft_export.is_peft(model):
+        if model is None and peft_export.looks_like_peft(names):
+            raise ValueError("iter_weights: this state is a peft model's (its names are under 'base_model.model.'), "
+                             "which no engine loads as they are: pass model=, the PeftModel step.init took, for the "
+                             "merged weights (merged=True) or an adapter's (merged=False)")
+        if adapter is not None:
+            raise ValueError("iter_weights(adapter=...) is for a peft model: pass model=, the PeftModel step.init took")
+        return None
+    if merged:
+        if adapter is not None:
+            raise ValueError("iter_weights(merged=True) merges the active adapters, as merge_and_unload() does; "
+                             "adapter= streams one adapter's tensors: pass merged=False with it")
+        _, _, values, _ = peft_export.merged_model(state, model, dtype)
+    else:
+        chosen = adapter if adapter is not None else model.active_adapter
+        if not isinstance(chosen, str):
+            raise ValueError(f"iter_weights(merged=False): the model has several active adapters {chosen}: name the "
+                             "one to stream with adapter=")
+        values = peft_export.adapter_folders(state, model, selected_adapters=[chosen], dtype=dtype)[0].values()
+    return ((name, t.to(device)) for name, t in values)
 
 
 def _buckets(values, bucket_bytes: int):
