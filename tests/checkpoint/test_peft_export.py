@@ -194,3 +194,31 @@ def test_save_hf_refuses_what_it_would_write_wrong(base, tmp_path):
     with pytest.raises(FileExistsError, match=r"adapter_config\.json"):  # the merged model beside an adapter
         zf.checkpoint.save_hf(state, out, model=model, merged=True)
     state.close()
+
+
+def test_what_cannot_be_written_unit_by_unit_is_refused_naming_it(base, tmp_path, monkeypatch):
+    """A LoRA layer whose adapter is a unit of its own apart from its base weight cannot be merged one
+    unit at a time: refused naming the layer (its adapter still saves); a tensor peft's state dict
+    computes instead of taking from the model is refused, naming it."""
+    model = make_peft("llama", "lora")
+    step = zf.zero3(zf.train_step(lambda p, x: 0, zf.optim.adamw(LR)),
+                    units=lambda name, m: name.endswith("layers.0") or name.endswith("layers.1.self_attn.q_proj.lora_A.default"))
+    with step.init(model, weights=base("llama")) as state:
+        with pytest.raises(ValueError, match=r"merged=True: peft layer model\.layers\.1\.self_attn\.q_proj \(Linear\) "
+                                             r"has tensors in units \[0, 2\]"):
+            zf.checkpoint.save_hf(state, str(tmp_path / "merged"), model=model, merged=True)
+        assert not os.path.exists(tmp_path / "merged")
+        zf.checkpoint.save_hf(state, str(tmp_path / "adapter"), model=model)
+        want = {k.replace(".modules_to_save", "").replace(".default", ""): v for k, v in zf.gather_params(state).items()
+                if "lora_" in k or "modules_to_save" in k}
+        got = adapter_tensors(tmp_path / "adapter")
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        real = peft.utils.get_peft_model_state_dict
+
+        def computed(*args, **kwargs):
+            out = real(*args, **kwargs)
+            return {**out, "base_model.model.extra": torch.zeros(2)}
+
+        monkeypatch.setattr(peft.utils, "get_peft_model_state_dict", computed)
+        with pytest.raises(ValueError, match=r"holds 'base_model\.model\.extra', which it computed rather than took"):
+            zf.checkpoint.save_hf(state, str(tmp_path / "computed"), model=model)
