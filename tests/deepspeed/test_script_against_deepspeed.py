@@ -163,3 +163,8 @@ def run_both(world: int, stage: int, gas: int, tmp_path) -> None:
 @pytest.mark.parametrize("stage, gas", [(1, 1), (2, 2), (3, 1), (3, 2), (1, 3)])
 def test_the_script_matches_deepspeed(world, stage, gas, tmp_path):
     run_both(world, stage, gas, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_script_matches_deepspeed_on_three_ranks(tmp_path):
+    run_both(3, 3, 2, tmp_path)
