@@ -72,10 +72,14 @@ def test_initialize_trains_as_zf_initialize_on_deepspeeds_batches(world, stage, 
 def test_the_config_from_args_or_config(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ds_config(1, 1, 1)))
-    parser = zds.add_config_arguments(argparse.ArgumentParser())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = zds.add_config_arguments(parser)
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.local_rank == -1
     engine, *_ = zds.initialize(args=args, model=Net())
     assert engine.zero_optimization_stage() == 1 and engine.train_batch_size() == 4
+    assert args.local_rank == engine.local_rank == 0  # as DeepSpeed's engine sets it
     with pytest.raises(ValueError, match="both as args.deepspeed_config and as config="):
         zds.initialize(args=args, model=Net(), config=ds_config(1, 1, 1))
     old = parser.parse_args(["--deepscale_config", str(path)])  # the deprecated name still works
@@ -192,3 +196,26 @@ def test_param_groups_in_model_parameters_with_the_configs_optimizer():
     model = Net()
     with pytest.raises(ValueError, match="in no param group"):
         zds.initialize(model=model, model_parameters=list(model.head.parameters()), config=config)
+
+
+def pipeline_through_the_face() -> tuple:
+    """zf's pipeline engine through zfunc.deepspeed.initialize: the same losses as zf.initialize's,
+    the config's optimizer and schedule in the returned views."""
+    from test_pipeline import config, micro_batch, pipe
+
+    cfg = config(2, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}})
+    engine, optimizer, loader, scheduler = zds.initialize(model=pipe(2), config=cfg)
+    reference = zf.initialize(pipe(2), cfg)
+    assert loader is None and optimizer is engine.optimizer and scheduler.state_dict() == {"last_batch_iteration": -1}
+    for i in range(3):
+        data = [micro_batch(i, m, 0) for m in range(2)]
+        assert float(engine.train_batch(iter(data))) == float(reference.train_batch(iter(data)))
+        assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == reference.get_lr()[0]
+    assert engine.gradient_accumulation_steps() == 2 and engine.dp_world_size == 1
+    with pytest.raises(NotImplementedError, match="training_data with a PipelineModule"):
+        zds.initialize(model=pipe(2), config=cfg, training_data=dataset())
+    return scheduler.state_dict(), engine.global_steps
+
+
+def test_a_pipeline_module_through_initialize():
+    assert workers(2).run(pipeline_through_the_face) == [({"last_batch_iteration": 2}, 3)] * 2

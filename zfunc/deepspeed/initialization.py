@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 
 import torch
 from torch import nn
@@ -51,6 +50,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     dist.check_launch()
     raw = _config(args, config, config_params)
+    if args is not None and hasattr(args, "local_rank"):  # DeepSpeed's engine sets it from the launcher's LOCAL_RANK
+        args.local_rank = int(os.environ.get("LOCAL_RANK", dist.rank()))
     if isinstance(model, PipelineModule):
         return _pipeline(model, raw, optimizer, lr_scheduler, training_data)
     cfg = configuration.parse(raw, dist.world_size())
@@ -215,6 +216,6 @@ def _pipeline(model, raw, optimizer, lr_scheduler, training_data):
     cfg = configuration.parse(raw, dist.world_size() // model.num_stages or 1)
     configuration.warn_ignored(cfg)
     engine = PipelineEngine(model, cfg)
-    warnings.warn("zfunc.deepspeed.initialize with a PipelineModule returns (engine, None, None, None): the "
-                  "pipeline engine has no optimizer or scheduler views yet", UserWarning, stacklevel=3)
-    return engine, None, None, None
+    engine.optimizer = OptimizerHandle(engine)
+    engine.lr_scheduler = SchedulerHandle(engine) if engine.lr_schedule is not None else None
+    return engine, engine.optimizer, None, engine.lr_scheduler
