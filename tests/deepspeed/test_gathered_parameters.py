@@ -2,6 +2,9 @@
 ``zf.gather_params`` reads them; a change made on ``modifier_rank`` goes into the engine's state (the
 parameters, and the fp32 master weights under mixed precision; moments kept), so training goes on as
 plain PyTorch goes on after the same change; ``modifier_rank=None`` discards it; bad uses are named."""
+import shutil
+import tempfile
+
 import pytest
 import torch
 import transformers
@@ -76,6 +79,10 @@ def config(composition: str, world: int) -> dict:
     zero = {"stage": int(stage[-1])}
     if "cpu" in extras:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if "nvme" in extras:  # parameters and optimizer state in swap files
+        folder = tempfile.mkdtemp(prefix="zfunc-gathered-")
+        zero["offload_param"] = {"device": "nvme", "nvme_path": folder}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder}
     cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
            "gradient_clipping": 0.0,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}}}
@@ -112,7 +119,8 @@ def train_with_change(kind: str, composition: str, modifier: int | None, steps: 
     GatheredParameters over two parameters and changes them (``change``)."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model = build(kind)
-    engine, *_ = deepspeed.initialize(model=model, config=config(composition, world))
+    cfg = config(composition, world)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
     out = {}
     try:
         for i in range(steps):
@@ -134,6 +142,7 @@ def train_with_change(kind: str, composition: str, modifier: int | None, steps: 
         return out
     finally:
         engine.close()
+        shutil.rmtree(cfg["zero_optimization"].get("offload_param", {}).get("nvme_path", ""), ignore_errors=True)
 
 
 def _low_precision_match(state, full: dict) -> bool:
@@ -158,7 +167,7 @@ def check_against_plain(kind: str, composition: str, world: int, modifier: int =
             torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=f"{composition} {name}")
 
 
-@pytest.mark.parametrize("composition", ["zero3", "zero1", "zero3+cpu"])
+@pytest.mark.parametrize("composition", ["zero3", "zero1", "zero3+cpu", "zero3+nvme"])
 def test_a_change_on_the_modifier_rank_trains_on_as_plain_pytorch(composition):
     """A plain model at W = 2: the embedding scaled and a bias zeroed on rank 0 (rank 1 changes them
     otherwise, and is overwritten); two more steps equal plain PyTorch with the same change."""
@@ -178,7 +187,7 @@ def test_hugging_face_models(kind, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "plain"])
-@pytest.mark.parametrize("composition", ["zero1", "zero2", "zero3+cpu", "zero2+cpu"])
+@pytest.mark.parametrize("composition", ["zero1", "zero2", "zero3+cpu", "zero2+cpu", "zero3+nvme"])
 def test_each_composition_and_family(kind, composition):
     check_against_plain(kind, composition, 2)
 
@@ -190,7 +199,8 @@ def test_three_ranks():
 
 @pytest.mark.parametrize("kind,composition", [("plain", "zero3+bf16"),
                                               pytest.param("gpt2", "zero3+bf16", marks=pytest.mark.slow),
-                                              pytest.param("llama", "zero2+cpu+bf16", marks=pytest.mark.slow)])
+                                              pytest.param("llama", "zero2+cpu+bf16", marks=pytest.mark.slow),
+                                              pytest.param("gpt2", "zero3+nvme+bf16", marks=pytest.mark.slow)])
 def test_mixed_precision_writes_the_master_weights(kind, composition):
     """bf16: the fp32 master weights hold the change (what zf.gather_params reads), the bf16 parameters
     are them cast, the moments are kept."""
@@ -264,6 +274,17 @@ def refusals() -> list:
     attempt(lambda: enter(stray.weight))
     attempt(lambda: enter([model.head.weight, other.head.weight]))
     attempt(lambda: enter(["head.weight"]))
+
+    def nested(inner):
+        with deepspeed.zero.GatheredParameters(model.head.weight):
+            with deepspeed.zero.GatheredParameters(inner):
+                model.head.weight.sum() + model.head.bias.sum()  # the outer block's too
+
+    attempt(lambda: nested(model.head.weight))
+    attempt(lambda: nested(model.head.bias))
+    engine.backward(engine(batch(rank)))
+    attempt(lambda: enter(model.head.weight))  # between backward and step
+    engine.step()
     # the engine still trains after all of these
     engine.train_batch(iter([batch(rank)]))
     engine.close()
@@ -281,3 +302,6 @@ def test_bad_uses_are_named(world):
         assert "not built inside zfunc.deepspeed.zero.Init" in got[4]
         assert "no live engine registered" in got[5]  # the unregistered one is named first
         assert "takes a parameter or an iterable of parameters, got str" in got[6]
+        assert "already gathered by an enclosing block" in got[7]
+        assert got[8] == "no error"
+        assert "in the middle of an imperative step" in got[9]

@@ -245,6 +245,10 @@ class GatheredParameters:
             raise ValueError("GatheredParameters: these parameters belong to models of different engines; gather "
                              "each engine's in a block of its own")
         engine = next(iter(engines.values()))
+        window = getattr(engine, "_window", None)  # the imperative style's step in progress (zfunc.engine.imperative)
+        if window is not None and window.losses:
+            raise RuntimeError("GatheredParameters in the middle of an imperative step (engine.backward since the last "
+                               "update): call engine.step() at the accumulation boundary first")
         state = engine.state
         spec = state.params.spec.model
         group = state.params.spec.process_group
