@@ -205,6 +205,38 @@ def test_model_groups_equal_torch_under_offload_cpu():
         check(workers(2).run(train, "gpt", stage, STEPS, 2, True), expected)
 
 
+def split_but_same(stage: int, composition: str) -> list:
+    """Parameters and their bf16 copies after steps with groups that hold the optimizer's own values
+    (each update is cut into parts, the math unchanged) and without groups."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    out = []
+    for groups in ([zf.optim.group(no_decay, weight_decay=0.1, lr=1e-3)], []):
+        model, twin = build("gpt"), build("gpt")
+
+        def loss_fn(params, b):
+            x, y = b
+            return loss("gpt", zf.apply(model, params, x), y)
+
+        step = zf.mixed_precision(zf.train_step(loss_fn, zf.optim.adamw(1e-3, weight_decay=0.1, groups=groups)))
+        if composition == "offload_cpu":
+            step = zf.offload_cpu(step)
+        step = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+        state = step.init(model)
+        for i in range(3):
+            state, _ = step(state, local(batch("gpt", twin, i, 2 * world), rank, world))
+        out.append({"params": [t.clone() for t in zf.pytree.tree_leaves(state.params)],
+                    "master": [t.clone() for t in zf.pytree.tree_leaves(state.opt_state) if t.is_floating_point()]})
+    return out
+
+
+@pytest.mark.parametrize("composition", ["plain", "offload_cpu"])
+def test_groups_cut_updates_without_changing_a_bit_under_bf16(composition):
+    """The bf16 copies written part by part (and the rest cast whole) equal those of one whole update."""
+    for stage in (1, 3):
+        for split, whole in workers(2).run(split_but_same, stage, composition):
+            assert_trees_all_close(split, whole, rtol=0, atol=0)
+
+
 def init_naming(name: str) -> str:
     """step.init with a group naming ``name``: the error's text."""
     model = build("gpt")
