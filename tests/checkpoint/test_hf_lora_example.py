@@ -9,12 +9,12 @@ import tempfile
 import pytest
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_lora.py")
-QUICK = ["--steps", "2", "--generate-every", "1", "--new-tokens", "3", "--mb", "0.1", "--seq", "16", "--batch", "2"]
+QUICK = ["--steps", "2", "--generate-every", "2", "--new-tokens", "3", "--mb", "0.1", "--seq", "16", "--batch", "2"]
 
 
 def test_the_lora_example_trains_generates_saves_and_reloads(tmp_path, monkeypatch, capsys):
     """Run here, not in a new process (imports are most of its time): a random Llama written with
-    save_pretrained, LoRA on the meta-built model, two zero3 steps generating after each, the adapter
+    save_pretrained, LoRA on the meta-built model, two zero3 steps generating after the second, the adapter
     and the merged model written and loaded back by peft and transformers, equal to the trained state."""
     spec = importlib.util.spec_from_file_location("hf_lora", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
@@ -23,7 +23,7 @@ def test_the_lora_example_trains_generates_saves_and_reloads(tmp_path, monkeypat
     verdict = example.main(example.parser.parse_args(QUICK + ["--out", str(tmp_path / "adapter"),
                                                               "--merged", str(tmp_path / "merged")]))
     err = capsys.readouterr().err
-    assert "step 1: loss" in err and "step 2: loss" in err and "'def main(' -> " in err
+    assert "step 2: loss" in err and "'def main(' -> " in err
     assert "logits equal to the trained state's, greedy tokens equal" in verdict, verdict
     assert "the merged model: logits equal to 1e-4" in verdict, verdict
     assert sorted(os.listdir(tmp_path / "adapter")) == ["adapter_config.json", "adapter_model.safetensors"]
