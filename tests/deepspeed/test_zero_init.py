@@ -198,3 +198,31 @@ def test_gathered_parameters_before_initialize_reads_the_models_init_and_discard
     with deepspeed.zero.GatheredParameters(fresh.head.bias), torch.no_grad():
         fresh.head.bias.fill_(4.0)
     assert torch.equal(fresh.head.bias, torch.full_like(start, 4.0)) and fresh.head.weight.is_meta
+
+
+@pytest.mark.parametrize("kind", ["plain", "gpt2", "llama"])
+def test_initialize_keeps_what_a_block_wrote_into_some_parameters_of_a_unit(kind):
+    """Values written before initialize into some parameters (GPT-2's c_proj, which its block's
+    ``_init_weights`` also writes; a Linear whose bias is still on the meta device, which its
+    ``reset_parameters()`` would write) are what the state starts from; the rest of their units gets
+    the model's init."""
+    transformers.logging.set_verbosity_error()
+    with deepspeed.zero.Init():
+        model = Plain() if kind == "plain" else transformers.AutoModelForCausalLM.from_config(HF[kind][1]())
+    names = {"gpt2": ["transformer.h.0.attn.c_proj.weight", "transformer.h.1.mlp.c_fc.bias"],
+             "llama": ["model.layers.0.self_attn.o_proj.weight", "model.norm.weight"],
+             "plain": ["blocks.1.0.weight", "head.bias"]}[kind]
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=0), torch.no_grad():
+        for i, n in enumerate(names):
+            params[n].fill_(0.125 * (i + 1))
+    state = zf.zero3(zf.train_step(lambda p, x: 0, zf.optim.sgd(0.1))).init(model)
+    got = zf.gather_params(state)
+    for i, n in enumerate(names):
+        assert torch.equal(got[n], torch.full_like(got[n], 0.125 * (i + 1))), n
+    rest = [k for k in got if k not in names]
+    if kind == "plain":  # nn's own init: the other tensor of each module drawn, not left unset
+        assert all(got[k].isfinite().all() and got[k].std() > 0 for k in rest)
+        return
+    a, b = built_normally(kind, 0), built_normally(kind, 1)
+    assert_same_init({k: got[k] for k in rest}, {k: a[k] for k in rest}, {k: b[k] for k in rest}, f"{kind}: ")

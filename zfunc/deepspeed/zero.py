@@ -41,6 +41,7 @@ from torch import nn
 from .. import dist, lazy
 from ..state import State, check_usable, master_params, unit_values, write_params
 from ..unit_init import init_parameters
+from ..weights import hf_init
 
 __all__ = ["GatheredParameters", "Init", "register_engine"]
 
@@ -309,6 +310,7 @@ class GatheredParameters:
             for name, p in named:
                 real = nn.Parameter(values[_canonical(root, name, values)], requires_grad=p.requires_grad)
                 torch.utils.swap_tensors(p, real)  # the same object, now holding data, in every slot
+                hf_init.mark_loaded(p)  # transformers' init (a parent's, at initialize) leaves it, as a loaded one
                 self._built.append((p, p.detach().clone()))
 
     # ------------------------------------------------------------------- exit
