@@ -118,15 +118,17 @@ class Labels:
         return label
 
     def check_names(self, params) -> None:
-        """Every name a group lists is a parameter of ``params`` (a misspelt name selects nothing)."""
-        if not self.groups:
+        """Every name a group lists is a parameter of the model ``params`` holds (a misspelt name
+        would select nothing). Only a model's ``Params`` is checked: a plain pytree may be a probe
+        (``state_bytes_per_element`` inits the optimizer on one leaf)."""
+        if not self.groups or not isinstance(params, Params):
             return
-        model = params.spec.model if isinstance(params, Params) else None
-        known = set(leaf_names(params)) if model is None else {model.canonical_name(n) for n in model.parameter_names}
+        model = params.spec.model
+        known = {model.canonical_name(n) for n in model.parameter_names}
         for g in self.groups:
             if isinstance(g.select, frozenset):
                 missing = sorted(g.select - known)
-                aliases = [n for n in missing if model is not None and model.canonical_name(n) != n]
+                aliases = [n for n in missing if model.canonical_name(n) != n]
                 if aliases:
                     raise ValueError(f"{self.name}: {g.describe()} names {aliases[0]!r}, which is tied to "
                                      f"{model.canonical_name(aliases[0])!r}; name a tied parameter by its first "
