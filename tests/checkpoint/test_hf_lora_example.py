@@ -35,7 +35,7 @@ def test_the_lora_example_under_torchrun_with_two_processes(tmp_path):
     generate, rank 0 writes the adapter and checks it."""
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", EXAMPLE, *QUICK,
            "--out", str(tmp_path / "adapter")]
-    done = subprocess.run(run, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(run, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "on 2 rank(s)" in done.stderr and "step 2: loss" in done.stderr
     assert "logits equal to the trained state's, greedy tokens equal" in done.stderr, done.stderr[-3000:]
