@@ -395,14 +395,10 @@ def hf_train(kind: str, stage: int, per_rank: int) -> dict:
 HF_RTOL = 1e-5
 
 
-def test_hugging_face_trainer_groups_and_schedule_under_zero3():
-    for kind in ("gpt2",):  # Llama and GPT-NeoX, every stage and world: the slow test below
-        check(workers(2).run(hf_train, kind, 3, 2), hf_reference(kind, 4), HF_RTOL)
-
-
-@pytest.mark.slow
+@pytest.mark.slow  # the fast sibling: test_client_adamw_and_schedule_train_as_the_script_under_zero1_2_3
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_hugging_face_families_at_each_world(world):
+    """GPT-2 (its tied head by its first name), Llama, GPT-NeoX with the Trainer's objects."""
     for kind in ("gpt2", "llama", "gpt_neox"):
         expected = hf_reference(kind, 2 * world)
         for stage in (1, 2, 3):
