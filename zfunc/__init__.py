@@ -25,6 +25,7 @@ from .engine import config as _configuration
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, bind, grad, value_and_grad
 from .placement import Placement
+from .residency import OffloadedState, StateOffloaded, offload_states, reload_states
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .step import set_units as units
@@ -36,7 +37,7 @@ from .tree import Params, UpdateFailed, compile_units
 
 __all__ = [
     "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "compile_units", "dist", "eval_step",
-    "gather_params", "grad", "iter_weights", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
+    "gather_params", "grad", "iter_weights", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "offload_states", "OffloadedState", "StateOffloaded", "reload_states", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]
 

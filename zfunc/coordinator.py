@@ -72,6 +72,7 @@ import hashlib
 import itertools
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 from . import dist
@@ -180,6 +181,7 @@ class Coordinator:
     (``begin_step``) it is also the gate of the step's collectives (module docstring)."""
 
     def __init__(self, settings: Prefetch):
+        _coordinators.add(self)
         self.settings = settings
         self.layouts: dict[int, Traces] = {}  # id of a ModelSpec -> its traces
         self.runs: list[Run] = []  # this step's passes (micro-batches)
@@ -473,6 +475,18 @@ class Run:
             self.traces.record(self.events)
         return {"hits": self.hits, "misses": self.misses, "bytes_prefetched": self.prefetched_bytes,
                 "wait_s": self.wait_s, "max_live_elements": self.peak_live}
+
+
+_coordinators: "weakref.WeakSet[Coordinator]" = weakref.WeakSet()  # every live one, for release_passes
+
+
+def release_passes(model) -> None:
+    """Drop every coordinator's last step's passes over ``model`` (a ModelSpec). Between steps they
+    only wait for the next ``begin_step`` to clear them, holding the units they registered (and so
+    each rank's parameter shards, at W > 1); ``zf.offload_states`` lets that memory go now."""
+    for c in list(_coordinators):
+        if any(run.traces.model is model for run in c.runs):
+            c.runs = []
 
 
 _current: contextvars.ContextVar[Coordinator | None] = contextvars.ContextVar("zfunc_coordinator", default=None)

@@ -206,6 +206,9 @@ class Step:
         first agrees whether any rank's is refused (``agree_at_entry``). ``agrees``: the caller's
         own agreement refuses a failed state (``Step.begin``)."""
         if not isinstance(state, State):
+            refusal = getattr(state, "refusal", None)  # zf.offload_states' value: says to reload it first
+            if refusal is not None:
+                raise refusal()
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
         if entry:
             agree_at_entry(state, self.group, self.coordinator().settings.timeout_s)

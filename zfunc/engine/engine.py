@@ -443,6 +443,18 @@ class Engine(Loop):
             window.drop()
         super().close()
 
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False,
+                       path: str | None = None) -> None:
+        """DeepSpeed's ``engine.offload_states``: the state's parts off the device until
+        ``reload_states`` (zfunc.engine.residency; docs/rl.md)."""
+        from . import residency
+        residency.offload(self, include, device, pin_memory, non_blocking, path)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's ``engine.reload_states``: the state back on the device (zfunc.engine.residency)."""
+        from . import residency
+        residency.reload(self, non_blocking)
+
 
 def _json_client_state(client_state) -> dict:
     """``client_state`` as the manifest keeps it (JSON): a clear error for what JSON cannot hold."""
