@@ -78,24 +78,43 @@ def unit_buffers(model: nn.Module, spec: ModelSpec, device, init_fn: Callable | 
     _init_buffers(model, device, init, weights)
 
 
-def init_parameters(model: nn.Module, names, device="cpu") -> dict[str, torch.Tensor]:
+class ParameterInit:
     """The values the named meta-device parameters of ``model`` get from their modules' own init, as
     ``step.init`` initializes a unit (the module docstring's order of precedence), without making the
-    rest of the model: new tensors on ``device``, keyed by canonical name. The named parameters stay on
-    the meta device; buffers of their modules are made, as init makes them (``zero.GatheredParameters``
-    on a model built inside ``zero.Init``)."""
-    spec = build_spec(model)
-    wanted = {spec.canonical_name(n) for n in names}
-    owners = [(path, module, attrs) for unit in _owning_modules(model, spec).values() for path, module, attrs in unit
-              if any((f"{path}.{a}" if path else a) in wanted for a, _ in attrs)]
-    out = {}
-    with _materialized(owners, torch.device(device), _Init(model, None), None):
-        for path, module, attrs in owners:
-            for attr, _ in attrs:
+    rest of the model (``zero.GatheredParameters`` on a model built inside ``zero.Init``). Built once
+    per model (its layout and init dispatch, which cost a walk of the whole model), then called for
+    each group of parameters."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.spec, self.init = model, build_spec(model), _Init(model, None)
+        self.aliases: dict[str, list] = {}  # canonical name -> [(alias, its module, its slot)]
+        for name, _ in compiled.named_parameters(model, remove_duplicate=False):
+            canonical = self.spec.canonical_name(name)
+            if canonical != name:
+                path, _, attr = name.rpartition(".")
+                self.aliases.setdefault(canonical, []).append((name, compiled.owner(model, path), attr))
+
+    def __call__(self, names, device="cpu") -> dict[str, torch.Tensor]:
+        """New tensors on ``device``, keyed by canonical name. The named parameters stay on the meta
+        device; the meta buffers of their modules are made, as init makes them."""
+        wanted = {self.spec.canonical_name(n) for n in names}
+        owners = []
+        for path in dict.fromkeys(n.rpartition(".")[0] for n in sorted(wanted)):
+            module = compiled.owner(self.model, path)
+            attrs = []
+            for attr, p in module._parameters.items():
                 name = f"{path}.{attr}" if path else attr
-                if name in wanted:
-                    out[name] = module._parameters[attr].detach().clone()
-    return out
+                if p is not None and p.is_meta and self.spec.canonical_name(name) == name:
+                    attrs.append((attr, [a for a in self.aliases.get(name, []) if a[1]._parameters[a[2]].is_meta]))
+            owners.append((path, module, attrs))
+        out = {}
+        with _materialized(owners, torch.device(device), self.init, None):
+            for path, module, attrs in owners:
+                for attr, _ in attrs:
+                    name = f"{path}.{attr}" if path else attr
+                    if name in wanted:
+                        out[name] = module._parameters[attr].detach().clone()
+        return out
 
 
 def _flatten_segment(model: nn.Module, seg: Segment, device) -> torch.Tensor:

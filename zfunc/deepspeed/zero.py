@@ -18,7 +18,7 @@ the block, on every rank (every rank enters it, as in DeepSpeed: it is collectiv
   master weights, offload's host copy, swap files); optimizer moments and step counts are kept.
   With ``modifier_rank=None`` changes are discarded.
 - before it, a parameter built inside ``Init`` (on the meta device) gets real storage holding its
-  module's init (``zfunc.unit_init.init_parameters``, as ``step.init`` would initialize it); it
+  module's init (``zfunc.unit_init.ParameterInit``, as ``step.init`` would initialize it); it
   stays real after the block, and ``step.init`` takes it as it is (a meta-built model's real
   parameters are kept). With ``modifier_rank=r`` rank r's values are broadcast on exit; with None,
   the values of the block's start are put back. A parameter that already holds data is left alone,
@@ -40,7 +40,7 @@ from torch import nn
 
 from .. import dist, lazy
 from ..state import State, check_usable, master_params, unit_values, write_params
-from ..unit_init import init_parameters
+from ..unit_init import ParameterInit
 from ..weights import hf_init
 
 __all__ = ["GatheredParameters", "Init", "register_engine"]
@@ -158,20 +158,29 @@ def _config_dtype(cfg: dict):
     return None
 
 
-def _root_of(p: torch.Tensor) -> tuple[nn.Module, str] | None:
-    """The outermost module built inside ``Init`` above the module that owns ``p``, and ``p``'s name in it."""
+def _root_of(p: torch.Tensor) -> nn.Module | None:
+    """The outermost module built inside ``Init`` above the module that owns ``p``."""
     owner = next((m for m in list(_built.keys()) if any(q is p for q in m._parameters.values())), None)
     if owner is None:
         return None
     root = owner
     while True:
-        parents = [r() for r in _built.get(root, [])]
-        parents = [m for m in parents if m is not None]
+        parents = [m for m in (r() for r in _built.get(root, [])) if m is not None]
         if not parents:
-            break
+            return root
         root = parents[0]
-    name = next((n for n, q in root.named_parameters(remove_duplicate=False) if q is p), None)
-    return (root, name) if name is not None else None
+
+
+_initializers: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _initializer(root: nn.Module, names: tuple) -> ParameterInit:
+    """``root``'s ``ParameterInit``, made again when its parameters changed since."""
+    kept = _initializers.get(root)
+    if kept is None or kept[0] != names:
+        kept = (names, ParameterInit(root))
+        _initializers[root] = kept
+    return kept[1]
 
 
 # ------------------------------------------------------- zero.GatheredParameters
@@ -296,19 +305,21 @@ class GatheredParameters:
         return engine
 
     def _materialize(self, meta: list) -> None:
-        found = {}
+        roots = {}
         for p in meta:
-            where = _root_of(p)
-            if where is None:
+            root = _root_of(p)
+            if root is None:
                 raise ValueError(
                     f"GatheredParameters: a parameter of shape {tuple(p.shape)} is on the meta device but was not built "
                     "inside zfunc.deepspeed.zero.Init, so its module and init are not known: build the model inside "
                     "zero.Init(), or give it real values first")
-            found.setdefault(id(where[0]), (where[0], []))[1].append((where[1], p))
-        for root, named in found.values():
-            values = init_parameters(root, [n for n, _ in named], device="cpu")
-            for name, p in named:
-                real = nn.Parameter(values[_canonical(root, name, values)], requires_grad=p.requires_grad)
+            roots.setdefault(id(root), (root, []))[1].append(p)
+        for root, params in roots.values():
+            named = list(root.named_parameters())  # first names: what ParameterInit keys by
+            name_of = {id(q): n for n, q in named}
+            values = _initializer(root, tuple(n for n, _ in named))([name_of[id(p)] for p in params], device="cpu")
+            for p in params:
+                real = nn.Parameter(values[name_of[id(p)]], requires_grad=p.requires_grad)
                 torch.utils.swap_tensors(p, real)  # the same object, now holding data, in every slot
                 hf_init.mark_loaded(p)  # transformers' init (a parent's, at initialize) leaves it, as a loaded one
                 self._built.append((p, p.detach().clone()))
@@ -338,10 +349,3 @@ class GatheredParameters:
             self._values = self._engine = None
             self._built = []
 
-
-def _canonical(root: nn.Module, name: str, values: dict) -> str:
-    """The key ``init_parameters`` gave ``name`` (a tied parameter's first name)."""
-    if name in values:
-        return name
-    target = root.get_parameter(name)
-    return next(n for n, q in root.named_parameters() if q is target)
