@@ -55,6 +55,7 @@ def register_engine(engine) -> None:
     if not isinstance(model, nn.Module) or not isinstance(state, State):
         raise TypeError(f"register_engine takes an engine of zfunc.deepspeed.initialize (with .model and .state), "
                         f"got {type(engine).__name__}")
+    _initializer_of.clear()  # the model is the engine's now: nothing to initialize before initialize
     ref = weakref.ref(engine)
     for p in model.parameters():
         if lazy.is_lazy(p):
@@ -171,16 +172,16 @@ def _root_of(p: torch.Tensor) -> nn.Module | None:
         root = parents[0]
 
 
-_initializers: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_initializer_of: list = []  # [(root, its parameters' names, its ParameterInit)]: the last model's, kept for the next block
 
 
 def _initializer(root: nn.Module, names: tuple) -> ParameterInit:
-    """``root``'s ``ParameterInit``, made again when its parameters changed since."""
-    kept = _initializers.get(root)
-    if kept is None or kept[0] != names:
-        kept = (names, ParameterInit(root))
-        _initializers[root] = kept
-    return kept[1]
+    """``root``'s ``ParameterInit``, made again for another model or when its parameters changed
+    (one is kept: it holds the model, which a weak map could then never drop; ``register_engine``
+    drops it)."""
+    if not _initializer_of or _initializer_of[0][0] is not root or _initializer_of[0][1] != names:
+        _initializer_of[:] = [(root, names, ParameterInit(root))]
+    return _initializer_of[0][2]
 
 
 # ------------------------------------------------------- zero.GatheredParameters
