@@ -5,10 +5,12 @@ nothing but W workers whose peak RSS is theirs alone, and a clean failure when o
 A benchmark script is both: the driver, and, started again by it with --worker, each worker
 (``driver_or_worker``).
 """
+import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -47,3 +49,20 @@ def driver_or_worker(parse_args, main, worker):
     one of the processes the driver launched (``worker``: the command line has --worker)."""
     args = parse_args()
     (worker if args.worker else main)(args)
+
+
+def each_in_fresh_processes(names, script: str, argv, world: int, env=None, timeout=None) -> dict:
+    """Run ``script`` once per name in ``names`` on ``world`` fresh processes, with ``argv`` and
+    ``--worker NAME,OUT``; rank 0 leaves its result as JSON in OUT. Returns ``{name: result}``;
+    exits naming the one whose rank failed."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            out = os.path.join(tmp, f"{name}.json")
+            codes = launch([os.path.abspath(script), *argv, "--worker", f"{name},{out}"], world, env=env,
+                           timeout=timeout)
+            if any(codes):
+                sys.exit(f"{name}: a rank failed: exit codes {codes}")
+            with open(out) as f:
+                rows[name] = json.load(f)
+    return rows

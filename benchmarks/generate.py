@@ -21,14 +21,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _launch import driver_or_worker, launch  # noqa: E402
+from _launch import driver_or_worker, each_in_fresh_processes  # noqa: E402
 from _llama import llama  # noqa: E402
 from _worker import measured  # noqa: E402
 
@@ -104,17 +103,10 @@ def worker(args) -> None:
 
 
 def main(args):
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for way in args.ways.split(","):
-            out = os.path.join(tmp, f"{way}.json")
-            argv = [os.path.abspath(__file__), "--layers", str(args.layers), "--width", str(args.width), "--vocab",
-                    str(args.vocab), "--prompt", str(args.prompt), "--new", str(args.new), "--worker", f"{way},{out}"]
-            codes = launch(argv, args.world, env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
-            if any(codes):
-                sys.exit(f"{way}: a rank failed: exit codes {codes}")
-            with open(out) as f:
-                rows[way] = json.load(f)
+    argv = ["--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--prompt",
+            str(args.prompt), "--new", str(args.new)]
+    rows = each_in_fresh_processes(args.ways.split(","), __file__, argv, args.world, env={"OMP_NUM_THREADS": "1"},
+                                   timeout=args.timeout)
     params = next(iter(rows.values()))["params"]
     print(f"Llama, {params / 1e6:.1f}M parameters ({4 * params / 2**20:.0f} MiB in fp32), {args.layers} layers, "
           f"zero3, W = {args.world}; {args.new} tokens generated greedily from {args.prompt}; the largest rank's "

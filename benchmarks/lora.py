@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _launch import driver_or_worker, launch  # noqa: E402
+from _launch import driver_or_worker, each_in_fresh_processes  # noqa: E402
 from _llama import llama  # noqa: E402
 
 from zfunc.testing import memory  # noqa: E402
@@ -147,17 +146,9 @@ def worker(args) -> None:
 
 
 def main(args):
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for peer in args.peers.split(","):
-            out = os.path.join(tmp, f"{peer}.json")
-            argv = [os.path.abspath(__file__), *[a for a in sys.argv[1:]], "--worker", f"{peer},{out}"]
-            env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
-            codes = launch(argv, args.world, env=env, timeout=args.timeout)
-            if any(codes):
-                sys.exit(f"{peer}: a rank failed: exit codes {codes}")
-            with open(out) as f:
-                rows[peer] = json.load(f)
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    rows = each_in_fresh_processes(args.peers.split(","), __file__, sys.argv[1:], args.world, env=env,
+                                   timeout=args.timeout)
     first = next(iter(rows.values()))
     print(f"LoRA r = {args.rank_r} on q/k/v/o of a Llama ({args.layers} layers, width {args.width}, vocab "
           f"{args.vocab}; {first['trainable'] / 1e3:.0f}K trainable parameters), W = {args.world}, "

@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _launch import driver_or_worker, launch  # noqa: E402
+from _launch import driver_or_worker, each_in_fresh_processes  # noqa: E402
 from _llama import llama  # noqa: E402
 
 import zfunc as zf  # noqa: E402
@@ -134,16 +133,8 @@ def worker(args) -> None:
 
 
 def main(args):
-    rows = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for way in args.ways.split(","):
-            out = os.path.join(tmp, f"{way}.json")
-            argv = [os.path.abspath(__file__), *sys.argv[1:], "--worker", f"{way},{out}"]
-            codes = launch(argv, args.world, env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
-            if any(codes):
-                sys.exit(f"{way}: a rank failed: exit codes {codes}")
-            with open(out) as f:
-                rows[way] = json.load(f)
+    rows = each_in_fresh_processes(args.ways.split(","), __file__, sys.argv[1:], args.world,
+                                   env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     first = next(iter(rows.values()))
     print(f"Llama, {first['params'] / 1e6:.0f}M parameters ({args.layers} layers, width {args.width}, vocab "
           f"{args.vocab}), W = {args.world} gloo ranks, engine copy in {args.dtype} ({first['bytes'] / 2**30:.2f} GiB), "

@@ -10,7 +10,9 @@ Face model standing in for the inference engine (vLLM, SGLang):
 1. **Refresh the engine**: the trainer's current weights stream into the rollout model unit by
    unit (``zf.iter_weights``: one unit gathered at a time, handed out in buckets, as an engine's
    ``load_weights`` takes them); no file, no whole-model gather.
-2. **Roll out**: the rollout model samples ``--group`` completions of ``--length`` tokens for each
+2. **Roll out**, the trainer's state off the device meanwhile (``zf.offload_states``, back with
+   ``zf.reload_states``; ``--offload nvme`` to a file, ``cpu`` to host memory, a no-op on a
+   CPU-only machine): the rollout model samples ``--group`` completions of ``--length`` tokens for each
    of ``--prompts`` prompts (a start token and a digit d); a completion's reward is the share of
    its tokens equal to (d + 1) mod 8.
 3. **Train**: advantages are the rewards normalized within each prompt's group (GRPO's baseline,
@@ -21,6 +23,8 @@ Each rank rolls out its own prompts and the update averages over ranks. The mean
 near 1/8 (chance) and rises; the last line says from what to what.
 """
 import argparse
+import shutil
+import tempfile
 import time
 
 import torch
@@ -39,6 +43,8 @@ parser.add_argument("--length", type=int, default=6, help="tokens per completion
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--bucket-mb", type=float, default=1.0, help="size of the weight stream's buckets")
 parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--offload", default="cpu", choices=["cpu", "nvme", "none"],
+                    help="where the trainer's state waits while rollouts run")
 
 transformers.logging.set_verbosity_error()  # generate's notes on pad tokens
 
@@ -104,13 +110,20 @@ def main(args) -> tuple[float, float]:
     generator = torch.Generator().manual_seed(args.seed + 1 + rank)
     rewards_seen, start = [], time.perf_counter()
     bar = tqdm(range(args.iterations), disable=not master, dynamic_ncols=True)
+    offload_dir = tempfile.mkdtemp(prefix="rl_grpo-") if args.offload == "nvme" else None
     for it in bar:
         refresh(state)
+        if args.offload != "none":
+            state = zf.offload_states(state, device=args.offload, path=offload_dir)
         ids, rewards = roll_out(generator)
+        if args.offload != "none":
+            state = zf.reload_states(state)
         state, metrics = step(state, (ids, advantages(rewards)))
         rewards_seen.append(mean_over_ranks(rewards.mean()))
         bar.set_description(f"reward {rewards_seen[-1]:.3f} loss {float(metrics['loss']):+.4f}")
 
+    if offload_dir is not None:
+        shutil.rmtree(offload_dir)
     first, last = sum(rewards_seen[:5]) / 5, sum(rewards_seen[-5:]) / 5
     if master:
         print(f"mean reward {first:.3f} -> {last:.3f} over {args.iterations} iterations "
