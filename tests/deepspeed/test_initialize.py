@@ -175,6 +175,40 @@ def test_the_configs_scheduler_on_a_client_optimizer():
     assert scheduler.state_dict() == {"last_batch_iteration": 4}
 
 
+def test_the_configs_cosine_scales_each_groups_own_lr():
+    """DeepSpeed's WarmupCosineLR on a script's optimizer scales each param group's initial lr by the
+    cosine's ratio (WarmupLR and WarmupDecayLR set one lr for every group)."""
+    batches = _sampler_batches(4, 0, 1)[:5]
+    section = {"type": "WarmupCosineLR", "params": {"total_num_steps": 8, "warmup_num_steps": 2}}
+    ratio = zf.optim.lr.from_config(section, 1.0)
+    torch.manual_seed(0)
+    model = Net()
+    ref_model = copy.deepcopy(model)
+
+    def groups(m):
+        return [{"params": [p for n, p in m.named_parameters() if not n.startswith("head")], "lr": 0.01},
+                {"params": list(m.head.parameters()), "lr": 0.04}]
+
+    engine, optimizer, _, scheduler = zds.initialize(model=model, optimizer=torch.optim.AdamW(groups(model)),
+                                                     config={**PLAIN, "scheduler": section})
+    losses = []
+    for k, batch in enumerate(batches):
+        assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.01 * ratio(k), 0.04 * ratio(k)])
+        losses += _loop(engine, [batch])
+    ref_opt = torch.optim.AdamW(groups(ref_model))
+    theirs = []
+    for k, (x, y) in enumerate(batches):
+        for g, lr in zip(ref_opt.param_groups, (0.01, 0.04)):
+            g["lr"] = lr * ratio(k)
+        loss = F.cross_entropy(ref_model(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        theirs.append(loss.item())
+    assert ratio(2) > 0 and ratio(2) != ratio(4)  # the groups' lrs move
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(theirs), **TOL)
+
+
 def test_param_groups_in_model_parameters_with_the_configs_optimizer():
     """``model_parameters`` as param groups (no weight decay on biases): the config's AdamW over
     them, as DeepSpeed builds torch's; and a subset of the parameters is refused, named."""

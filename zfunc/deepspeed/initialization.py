@@ -145,8 +145,7 @@ def _optimizer_and_schedule(cfg, model, optimizer, model_parameters, lr_schedule
         schedule = _client().schedule_from_client(lr_scheduler, cfg.optimizer.lr)
         return None, schedule, "torch", None, None
     if lr_scheduler is None and cfg.scheduler is not None:  # the config's scheduler, built on the script's optimizer
-        lr_scheduler = _ConfigScheduler(optimizer, lr_schedules.from_config(cfg.scheduler,
-                                                                            optimizer.param_groups[0]["lr"]))
+        lr_scheduler = _ConfigScheduler(optimizer, cfg.scheduler)
     client = _client()
     if lr_scheduler is not None:  # each group's lr as the scheduler sets it (read off copies before any step)
         group_schedules = [client.schedule_from_client(lr_scheduler, optimizer, group=k)
@@ -184,23 +183,28 @@ def _config_optimizer_over(o, model_parameters):
 
 
 class _ConfigScheduler:
-    """The config's ``scheduler`` section on the script's optimizer, as DeepSpeed builds it: every
-    param group's lr set to the schedule's value, stepped once per update (what
-    zfunc.deepspeed.client reads off a copy of it)."""
+    """The config's ``scheduler`` section on the script's optimizer, as DeepSpeed builds it: each
+    param group's lr set to the schedule's value (WarmupCosineLR: the cosine's ratio times the
+    group's own lr, as DeepSpeed's scales each group's initial lr; the others: one value for
+    every group), stepped once per update (what zfunc.deepspeed.client reads off a copy of it)."""
 
-    def __init__(self, optimizer, schedule):
+    def __init__(self, optimizer, section):
         self.optimizer = optimizer
-        self.schedule = schedule
+        initial = [float(g["lr"]) for g in optimizer.param_groups]
+        if section.get("type") == "WarmupCosineLR":
+            self.schedules = [lr_schedules.from_config(section, lr) for lr in initial]
+        else:
+            self.schedules = [lr_schedules.from_config(section, initial[0])] * len(initial)
         self.last_batch_iteration = -1
-        self._set(schedule(0))
+        self._set(0)
 
-    def _set(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+    def _set(self, count: int) -> None:
+        for g, schedule in zip(self.optimizer.param_groups, self.schedules):
+            g["lr"] = schedule(count)
 
     def step(self) -> None:
         self.last_batch_iteration += 1
-        self._set(self.schedule(self.last_batch_iteration + 1))
+        self._set(self.last_batch_iteration + 1)
 
 
 # ------------------------------------------------------------------------------ pipeline
