@@ -87,13 +87,17 @@ def resolve(name: str, defaults: Mapping[str, Any], groups, check: Callable[[dic
 def at(hyper: dict, step: int | None) -> dict:
     """``hyper`` with each schedule read at ``step`` (``None``: the schedules left as they are, so
     only the numbers are checked); a tuple's entries (``betas``) each a number or a schedule."""
-    def value(v):
-        if callable(v):
-            return v if step is None else float(v(step))
-        if isinstance(v, tuple):
-            return tuple(value(x) for x in v)
-        return v
-    return {k: value(v) for k, v in hyper.items()}
+    return {k: _value_at(v, step) for k, v in hyper.items()}
+
+
+def _value_at(v, step: int | None):
+    """A module-level function, not a closure: a nested one calling itself is a reference cycle a
+    step would leave for the collector every update."""
+    if callable(v):
+        return v if step is None else float(v(step))
+    if isinstance(v, tuple):
+        return tuple(_value_at(x, step) for x in v)
+    return v
 
 
 class Labels:
