@@ -1,7 +1,9 @@
 """DeepSpeed training scripts run with one import changed: each script in scripts/ is run as
 written, under real DeepSpeed (CPU accelerator, gloo), and again with ``import deepspeed``
 changed to ``import zfunc.deepspeed as deepspeed``; what rank 0 prints must agree: the same
-lines, numbers equal to fp32 rounding (bf16: to its rounding)."""
+lines, numbers equal to fp32 rounding (bf16: to its rounding). All in the slow tier (each run is
+four fresh processes importing DeepSpeed); the fast tier's test_initialize and
+test_engine_methods cover the same face in process."""
 import os
 import re
 import subprocess
@@ -43,7 +45,7 @@ def assert_same_output(ours: list[str], theirs: list[str], rtol: float) -> None:
 
 
 CIFAR_CASES = [
-    pytest.param(["--stage", "3"], 2, 1e-5, id="zero3-W2"),
+    pytest.param(["--stage", "3"], 2, 1e-5, id="zero3-W2", marks=pytest.mark.slow),
     pytest.param(["--stage", "0"], 1, 1e-5, id="zero0-W1", marks=pytest.mark.slow),
     pytest.param(["--stage", "1", "--gas", "2"], 2, 1e-5, id="zero1-gas2-W2", marks=pytest.mark.slow),
     pytest.param(["--stage", "2", "--batch", "12"], 3, 1e-5, id="zero2-W3", marks=pytest.mark.slow),
@@ -62,7 +64,7 @@ def test_deepspeeds_cifar_example_runs_with_the_import_changed(args, world, rtol
 
 
 CAUSAL_LM_CASES = [
-    pytest.param(["--family", "gpt2", "--stage", "3"], 2, id="gpt2-zero3-W2"),
+    pytest.param(["--family", "gpt2", "--stage", "3"], 2, id="gpt2-zero3-W2", marks=pytest.mark.slow),
     pytest.param(["--family", "llama", "--stage", "2"], 2, id="llama-zero2-W2", marks=pytest.mark.slow),
     pytest.param(["--family", "gpt2", "--stage", "1", "--gas", "1"], 1, id="gpt2-zero1-W1", marks=pytest.mark.slow),
     pytest.param(["--family", "llama", "--stage", "3", "--micro", "1"], 3, id="llama-zero3-W3", marks=pytest.mark.slow),
