@@ -28,3 +28,9 @@ def test_the_accelerator_is_torchs_device_under_deepspeeds_names():
 def test_a_method_it_does_not_offer_is_named():
     with pytest.raises(AttributeError, match="create_op_builder.*not offered by zfunc.deepspeed"):
         get_accelerator().create_op_builder("FusedAdamBuilder")
+
+
+def test_scripts_reach_it_as_deepspeed_accelerator():
+    import zfunc.deepspeed as deepspeed
+
+    assert deepspeed.accelerator.get_accelerator() is get_accelerator()
