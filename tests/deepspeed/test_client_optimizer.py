@@ -296,7 +296,7 @@ def check(results, expected, rtol=RTOL):
         assert_trees_all_close(r["params"], expected, rtol=rtol, atol=rtol * scale)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_client_adamw_and_schedule_train_as_the_script_under_zero1_2_3(world):
     expected = reference("adamw_hf", 2 * world)
     for stage in (1, 2, 3):

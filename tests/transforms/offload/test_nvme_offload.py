@@ -88,7 +88,7 @@ def test_equals_the_step_without_offload_under_mixed_precision_and_accumulation(
             assert all(h["nvme"]["bytes_read"] > 0 for h in b["history"])
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(["deep_mlp", "odd_mlp", "gpt"]), stage=st.sampled_from([0, 1, 2, 3]),
        precision=st.sampled_from([None, {"dtype": torch.bfloat16}]), micro=st.sampled_from([None, 2]),
        clip=st.sampled_from([None, 0.1]), world=st.sampled_from([1, 2]),
