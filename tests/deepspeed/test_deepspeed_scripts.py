@@ -36,12 +36,16 @@ def run_script(script: str, args: list[str], world: int, tmp_path, *, zfunc: boo
             if line and not line.startswith(("[20", "DeepSpeed "))]
 
 
-def assert_same_output(ours: list[str], theirs: list[str], rtol: float) -> None:
+def assert_same_output(ours: list[str], theirs: list[str], rtol: float, loose: dict | None = None) -> None:
+    """The same lines; their numbers equal to ``rtol``, or on lines starting with a key of ``loose``
+    to that absolute tolerance."""
     assert len(ours) == len(theirs), f"zfunc printed\n{ours}\nDeepSpeed printed\n{theirs}"
     for a, b in zip(ours, theirs):
         assert NUMBER.sub("#", a) == NUMBER.sub("#", b), f"zfunc: {a!r}, DeepSpeed: {b!r}"
+        tol = next((t for start, t in (loose or {}).items() if a.startswith(start)), None)
         for x, y in zip(NUMBER.findall(a), NUMBER.findall(b)):
-            assert float(x) == pytest.approx(float(y), rel=rtol, abs=rtol), f"zfunc: {a!r}, DeepSpeed: {b!r}"
+            close = pytest.approx(float(y), abs=tol) if tol is not None else pytest.approx(float(y), rel=rtol, abs=rtol)
+            assert float(x) == close, f"zfunc: {a!r}, DeepSpeed: {b!r}"
 
 
 CIFAR_CASES = [
@@ -51,6 +55,9 @@ CIFAR_CASES = [
     pytest.param(["--stage", "2", "--batch", "12"], 3, 1e-5, id="zero2-W3", marks=pytest.mark.slow),
     pytest.param(["--stage", "3", "--dtype", "bf16"], 2, 2e-2, id="zero3-bf16-W2", marks=pytest.mark.slow),
 ]
+# under bf16 DeepSpeed reduces gradients in bf16 and zfunc in fp32: the weights differ by rounding,
+# and an evaluation's accuracy (whole test images of 32) may differ by an image or two
+LOOSE = {"accuracy": 100 * 2 / 32}
 
 
 @pytest.mark.parametrize("args,world,rtol", CIFAR_CASES)
@@ -60,7 +67,7 @@ def test_deepspeeds_cifar_example_runs_with_the_import_changed(args, world, rtol
     theirs = run_script("cifar_deepspeed.py", args, world, tmp_path, zfunc=False)
     ours = run_script("cifar_deepspeed.py", args, world, tmp_path, zfunc=True)
     assert any("loss" in line for line in theirs)
-    assert_same_output(ours, theirs, rtol)
+    assert_same_output(ours, theirs, rtol, LOOSE if "bf16" in args else None)
 
 
 CAUSAL_LM_CASES = [
