@@ -12,6 +12,7 @@ import pytest
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "rl_grpo.py")
 
 
+@pytest.mark.slow  # iter_weights and offload_states have their own fast tests
 def test_the_rl_example_learns_here():
     """Run in this process at W = 1 (imports are most of a new process's time)."""
     spec = importlib.util.spec_from_file_location("rl_grpo", EXAMPLE)

@@ -113,6 +113,7 @@ def test_switched_off_by_the_environment():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow  # the block cache's own bounds are in the fast tier (test_cache_never_holds_more_than...)
 def test_zero3_step_needs_gradient_shards_plus_a_few_units():
     """A zero3 step at W = 2 on a 24-unit model (meta-device init) needs, above the
     state, this rank's gradient shards and a working set of a few units, as ZeRO's

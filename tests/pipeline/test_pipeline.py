@@ -360,7 +360,8 @@ def test_the_gpt_example_trains_as_a_pipeline_under_torchrun():
     assert "2 pipeline stages x 1 data-parallel replica(s)" in proc.stdout
 
 
-@pytest.mark.parametrize("how", [pytest.param("config", marks=pytest.mark.slow), "engine"])
+@pytest.mark.slow  # compiled blocks are in the fast tier through test_compile and test_engine_compile
+@pytest.mark.parametrize("how", ["config", "engine"])
 def test_compiled_layers_train_as_the_eager_pipeline(how):
     """Each stage's layers compiled (the config's compile section, or engine.compile()): the
     unpipelined model's numbers, tied embedding and head across stages included."""

@@ -197,7 +197,7 @@ def leaf_run(model_kw: dict, stage: int, offload: dict | None, threshold: int, m
 kinds = st.lists(st.sampled_from(LEAF_KINDS), unique=True).map(tuple)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(root=kinds, child=kinds, nested=kinds, all_frozen=st.lists(st.sampled_from(["child", "nested"]), unique=True),
        world=st.sampled_from([1, 2, 3]), stage=st.sampled_from([0, 1, 2, 3]), params=st.booleans(),
        optimizer=st.booleans(), micro=st.sampled_from([None, 2]), under=st.booleans(),
