@@ -108,11 +108,10 @@ def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int =
 
 def _peft_values(state, model, merged: bool, adapter: str | None, dtype, device):
     """A peft model's merged weights or one adapter's tensors, on ``device``; None for another model."""
-    names = [n for n, _ in state.params.spec.model.owner]
     if model is not None:
         state.params.spec.model.check_model(model)
     if not peft_export.is_peft(model):
-        if model is None and peft_export.looks_like_peft(names):
+        if model is None and peft_export.looks_like_peft([n for n, _ in state.params.spec.model.owner]):
             raise ValueError("iter_weights: this state is a peft model's (its names are under 'base_model.model.'), "
                              "which no engine loads as they are: pass model=, the PeftModel step.init took, for the "
                              "merged weights (merged=True) or an adapter's (merged=False)")
@@ -147,5 +146,6 @@ def _buckets(values, bucket_bytes: int):
 
 def _pairs(buckets):
     for bucket in buckets:
+        bucket.reverse()
         while bucket:
-            yield bucket.pop(0)  # the consumer holds the only reference once it has taken one
+            yield bucket.pop()  # the consumer holds the only reference once it has taken one
