@@ -108,7 +108,7 @@ def summed(values: list[float], state: State | None, group, what: str) -> list[f
     the agreement, ``what``)."""
     failed = state is not None and fault_of(state) is not None
     vec = torch.tensor([*values, float(failed)], dtype=torch.float64, device=dist.device_of(group))
-    dist.all_reduce_sum(vec, group)
+    dist.all_reduce_sum(vec, group, kind="agreement")
     sums = vec.tolist()
     if sums[-1]:
         refused_on_every_rank(state, what)

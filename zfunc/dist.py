@@ -9,6 +9,9 @@ the coordinator, which may check with the other ranks that theirs is the same
 before any rank issues it) and waited for at most the step's ``deadline``; a
 wait longer than a slice beats the rank's heartbeat in the store, so the other
 ranks can tell a rank that is stuck or dead from one that waits with them.
+
+Every collective issued here is also counted (``counting``, ``comm_mark``/``comm_since``: what
+``metrics["comm"]`` reports per step): calls and bytes per kind, per group (``label_group``).
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import contextvars
 import datetime
 import hashlib
 import os
+import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -28,6 +33,86 @@ _timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("zfunc_c
 _gate: contextvars.ContextVar = contextvars.ContextVar("zfunc_collective_gate", default=None)
 _label: contextvars.ContextVar[str] = contextvars.ContextVar("zfunc_collective_label", default="")
 _watched: contextvars.ContextVar = contextvars.ContextVar("zfunc_watched_group", default=None)
+
+
+# ------------------------------------------------------------------ counting
+
+# The kinds counted. Data: what moves the model's tensors (nccl-tests' sizes: an all-gather's
+# gathered output, a reduce-scatter's full input, the tensor of the others). Control:
+# "agreement", the vectors ranks agree on (the step's agreement, flags, the coordinator's lockstep
+# check), and "barrier"; the store's traffic (heartbeats, ``exchange``) is not counted.
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv", "agreement", "barrier")
+
+_totals: dict[tuple[str, str], list[int]] = {}  # (group label, kind) -> [calls, bytes] since the process began
+_totals_lock = threading.Lock()  # collectives may be issued from worker threads
+_names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its label
+
+
+def label_group(group, name: str) -> None:
+    """Count ``group``'s collectives under ``name`` (e.g. a mesh dim's, ``"shard"``) in
+    ``metrics["comm"]``. The default group is ``"world"``; an unlabelled one is named by its global
+    ranks, ``"ranks(0,2)"``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"label_group: the label must be a non-empty string, got {name!r}")
+    if group is None or (is_initialized() and group is dist.group.WORLD):
+        raise ValueError("label_group: the default group is always counted as 'world'; label a subgroup "
+                         "(dist.new_group, a DeviceMesh dim's get_group())")
+    _names[group] = name
+
+
+def group_label(group=None) -> str:
+    """The name ``group``'s collectives are counted under (see ``label_group``)."""
+    if group is None or not is_initialized() or group is dist.group.WORLD:
+        return "world"
+    name = _names.get(group)
+    if name is None:
+        name = _names[group] = f"ranks({','.join(map(str, dist.get_process_group_ranks(group)))})"
+    return name
+
+
+def _count(kind: str, group, nbytes: int) -> None:
+    """One collective of ``kind`` over ``group`` moving a buffer of ``nbytes`` (no sync: a dict add)."""
+    key = (group_label(group), kind)
+    with _totals_lock:
+        c = _totals.get(key)
+        if c is None:
+            _totals[key] = [1, nbytes]
+        else:
+            c[0] += 1
+            c[1] += nbytes
+
+
+def _nbytes(t: torch.Tensor, numel: int | None = None) -> int:
+    return (t.numel() if numel is None else numel) * t.element_size()
+
+
+def comm_mark() -> dict[tuple[str, str], tuple[int, int]]:
+    """The counts so far, for ``comm_since`` (cheap: a copy of a few entries)."""
+    with _totals_lock:
+        return {k: (c[0], c[1]) for k, c in _totals.items()}
+
+
+def comm_since(mark: dict) -> dict[str, dict[str, dict[str, int]]]:
+    """The collectives issued since ``mark`` (``comm_mark``), in every thread of this process:
+    ``{group label: {kind: {"calls": n, "bytes": b}}}``, kinds with no call left out."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for (label, kind), (calls, nbytes) in comm_mark().items():
+        calls0, bytes0 = mark.get((label, kind), (0, 0))
+        if calls > calls0:
+            out.setdefault(label, {})[kind] = {"calls": calls - calls0, "bytes": nbytes - bytes0}
+    return out
+
+
+@contextlib.contextmanager
+def counting():
+    """Count the collectives issued inside: yields a dict that, on exit, holds them as
+    ``metrics["comm"]`` does (``comm_since``). Steps and threads running meanwhile count too."""
+    counts: dict = {}
+    mark = comm_mark()
+    try:
+        yield counts
+    finally:
+        counts.update(comm_since(mark))
 
 
 def _all_gather_single(out, inp, group=None, async_op=False):
@@ -104,6 +189,7 @@ def same_everywhere(values: tuple[int, ...], group=None) -> bool:
     (so it matches whatever the others passed), issued around the gate."""
     mine = torch.tensor(values, dtype=torch.int64, device=device_of(group))
     rows = torch.empty(world_size(group) * mine.numel(), dtype=torch.int64, device=mine.device)
+    _count("agreement", group, _nbytes(rows))
     _wait(_all_gather_single(rows, mine, group=group, async_op=True))
     rows = rows.view(-1, mine.numel()).cpu()
     return bool((rows == rows[0]).all())
@@ -292,7 +378,7 @@ def shutdown() -> None:
 def barrier(group=None) -> None:
     """Wait until every rank of ``group`` is here (an all-reduce, so the step's timeout applies)."""
     if world_size(group) > 1:
-        all_reduce_sum(torch.zeros(1, device=device_of(group)), group)
+        all_reduce_sum(torch.zeros(1, device=device_of(group)), group, kind="barrier")
 
 
 def is_initialized() -> bool:
@@ -420,6 +506,7 @@ def all_gather_start(shard: torch.Tensor, group=None, out: torch.Tensor | None =
     shard = shard.contiguous()
     seq = _admit("all_gather", shard, group)
     out = buffers.take(shard.numel() * w, shard.dtype, shard.device) if out is None else out
+    _count("all_gather", group, _nbytes(shard, shard.numel() * w))
     return Pending(out, _all_gather_single(out, shard, group=group, async_op=True), keep=shard, seq=seq)
 
 
@@ -429,6 +516,7 @@ def all_gather_inplace_start(full: torch.Tensor, group=None) -> Pending:
     if w == 1:
         return Pending(full)
     seq = _admit("all_gather", full, group)
+    _count("all_gather", group, _nbytes(full))
     return Pending(full, _all_gather_single(full, layout.shard(full, rank(group), w), group=group, async_op=True),
                    seq=seq)
 
@@ -455,6 +543,7 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
     seq = _admit("reduce_scatter", full, group)
     shard_numel = layout.shard_numel(full.numel(), w)
     if scratch and dist.get_backend(group) == "gloo":
+        _count("all_reduce", group, _nbytes(full))  # counted as what goes on the wire
         out = buffers.empty(shard_numel, out_dtype or full.dtype, full.device)
         r = rank(group)
 
@@ -469,6 +558,7 @@ def reduce_scatter_mean_start(full: torch.Tensor, group=None, *, scratch: bool =
 
         return Pending(out, dist.all_reduce(full, group=group, async_op=True), keep=full, finish=finish, seq=seq)
     out = buffers.empty(shard_numel, full.dtype, full.device)
+    _count("reduce_scatter", group, _nbytes(full))
     return Pending(out, _reduce_scatter_single(out, full, group=group, async_op=True), w, keep=full,
                    seq=seq).cast(out_dtype)
 
@@ -479,13 +569,15 @@ def all_reduce_mean_start(t: torch.Tensor, group=None) -> Pending:
     if w == 1:
         return Pending(t)
     seq = _admit("all_reduce", t, group)
+    _count("all_reduce", group, _nbytes(t))
     return Pending(t, dist.all_reduce(t, group=group, async_op=True), w, seq=seq)
 
 
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over ranks, in place; returns ``t``."""
+def all_reduce_sum(t: torch.Tensor, group=None, *, kind: str = "all_reduce") -> torch.Tensor:
+    """Sum over ranks, in place; returns ``t``. ``kind``: what it is counted as (``KINDS``)."""
     if world_size(group) > 1:
         seq = _admit("all_reduce", t, group)
+        _count(kind, group, _nbytes(t))
         _wait(dist.all_reduce(t, group=group, async_op=True), seq)
     return t
 
@@ -499,6 +591,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """Copy group rank ``src``'s ``t`` to every rank, in place; returns ``t``."""
     if world_size(group) > 1:
         seq = _admit("broadcast", t, group)
+        _count("broadcast", group, _nbytes(t))
         _wait(dist.broadcast(t, group_src=src, group=group, async_op=True), seq)
     return t
 
@@ -514,6 +607,7 @@ def new_group(ranks: list[int]):
 
 def send_start(t: torch.Tensor, dst: int, tag: int = 0) -> Pending:
     """Start sending ``t`` to global rank ``dst`` (point to point); keep ``t`` until ``wait()``."""
+    _count("send", None, _nbytes(t))
     return Pending(t, dist.isend(t.contiguous(), dst, tag=tag), keep=t)
 
 
@@ -525,4 +619,26 @@ def recv(t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
 def recv_start(t: torch.Tensor, src: int, tag: int = 0) -> Pending:
     """Start filling ``t`` from global rank ``src``; ``wait()`` returns it. Receives from one
     source with one tag are matched to its sends in order."""
+    _count("recv", None, _nbytes(t))
     return Pending(t, dist.irecv(t, src, tag=tag))
+
+
+def mesh(shard: int | None = None):
+    """Hybrid sharding's usual 2-D ``DeviceMesh`` (zero's ``mesh=``): dims ``("replicate", "shard")``,
+    each shard group ``shard`` consecutive ranks (default ``LOCAL_WORLD_SIZE``, a node's ranks under
+    torchrun, which numbers a node's ranks together), the groups replicas of each other (the nodes).
+    Every rank calls it, once per mesh it needs."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    w = world_size()
+    if shard is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if not local.isdigit():
+            raise ValueError("zf.dist.mesh(): LOCAL_WORLD_SIZE is not set (torchrun sets it to a node's ranks); "
+                             "give the shard group's size: zf.dist.mesh(shard=k)")
+        shard = int(local)
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 1 or w % shard:
+        raise ValueError(f"zf.dist.mesh(shard={shard!r}): the shard size must be a positive int that divides the "
+                         f"world size, {w}")
+    kind = "cuda" if is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(kind, (w // shard, shard), mesh_dim_names=("replicate", "shard"))

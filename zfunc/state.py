@@ -134,7 +134,7 @@ def check_usable(state, *, collective: bool = False, group=None, wait: bool = Tr
     group = state.params.spec.process_group if group is None else group
     if collective and dist.world_size(group) > 1:
         flag = torch.tensor([float(error is not None)], dtype=torch.float64, device=dist.device_of(group))
-        dist.all_reduce_sum(flag, group)
+        dist.all_reduce_sum(flag, group, kind="agreement")
         if flag.item():
             if fault is None and error is not None:  # swap files: this rank's state refuses through its Params too
                 fault = Fault()

@@ -244,7 +244,7 @@ class Step:
         with self.continuing() as coordinator:
             out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=started.buffers, scale=scale)
             agreed = agree(out, coordinator.order_hash(), state, self.group, self.transforms)
-        return self._finish(state, out, agreed, started)
+        return self._counted(self._finish(state, out, agreed, started))
 
     # ------------------------------------------------------- a step in parts
 
@@ -258,6 +258,7 @@ class Step:
         every stage) and refuses there a state whose update failed on any of them
         (``refused_on_every_rank``), so a failed state not yet agreed on goes on to that agreement
         here, even alone in its group, rather than raise while the others wait for it."""
+        self._comm_mark = dist.comm_mark()  # metrics["comm"] counts from here (_counted)
         self._check(state, entry=True, agrees=agrees)
         marks = tuple(t.begin_step(state) for t in self.transforms)
         self.coordinator().begin_step()
@@ -289,7 +290,15 @@ class Step:
         if agreement is None:
             with self.continuing() as coordinator:
                 agreement = agree(out, coordinator.order_hash(), state, self.group, self.transforms)
-        return self._finish(state, out, agreement, started)
+        return self._counted(self._finish(state, out, agreement, started))
+
+    def _counted(self, result: tuple[State, dict]) -> tuple[State, dict]:
+        """``metrics["comm"]``: the collectives issued since this step's ``begin`` (zfunc.dist's
+        counts: calls and bytes per group and kind), the update's included."""
+        mark = self.__dict__.pop("_comm_mark", None)
+        if mark is not None:
+            result[1]["comm"] = dist.comm_since(mark)
+        return result
 
     def _finish(self, state: State, out: GradOut, agreed: Agreement, started: "Started | None"
                 ) -> tuple[State, dict]:
@@ -382,7 +391,9 @@ class EvalStep(Step):
 
     @torch.no_grad()
     def __call__(self, state: State, batch) -> dict:
-        """``metrics["loss"]``: the mean over ranks (and, under ``accumulate``, micro-batches)."""
+        """``metrics["loss"]``: the mean over ranks (and, under ``accumulate``, micro-batches);
+        ``metrics["comm"]``: its collectives, as a train step's."""
+        mark = dist.comm_mark()
         self._check(state, entry=True)
         micro = next((m for t in self.transforms if (m := t.micro_batches(batch)) is not None), None)
         several = micro is not None
@@ -404,7 +415,7 @@ class EvalStep(Step):
         if not same_order(vec[1], vec[2], w):
             coordinator.diverged(self.group)
         metrics = {"loss": torch.tensor(vec[0] / w, dtype=torch.float32),
-                   "prefetch": coordination.merge(passes)}
+                   "prefetch": coordination.merge(passes), "comm": dist.comm_since(mark)}
         if self.has_aux:
             metrics["aux"] = auxes if several else auxes[0]
         return metrics
