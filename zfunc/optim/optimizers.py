@@ -4,6 +4,10 @@ each an ``Optimizer`` (zfunc.optim.base) that takes a step's ``info`` and ``lowp
 State is an explicit pytree: ``count`` and ``steps`` (zfunc.optim.counts) and trees with the
 structure of ``params`` in fp32 (fp64 for fp64 params), so sharding, offload and checkpoints treat
 them like params. Low-precision params are updated with fp32 math and fp32 moments, and rounded.
+Adam's ``state_dtype=torch.bfloat16`` keeps its moments in bf16 (DeepSpeedCPUAdam's
+``fp32_optimizer_states=False``): each update reads them as fp32, does its math in fp32 (the
+parameter moves by the unrounded moments) and stores them rounded to nearest even, so every
+placement of the state (device, host, swap files, checkpoints) holds half the bytes.
 A ``None`` gradient leaf, or a parameter ``GradInfo.live`` marks without one, is not updated.
 
 ``lr`` is a float or a schedule ``step -> float``, where ``step`` is the number
@@ -49,10 +53,13 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     groups=(),
+    state_dtype: torch.dtype = torch.float32,
 ) -> Optimizer:
     """AdamW, the math of ``torch.optim.AdamW``: decay applied to the weights. ``groups``: the
-    parameters that use other values (``zf.optim.group``: ``lr``, ``betas``, ``eps``, ``weight_decay``)."""
-    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True, groups=groups)
+    parameters that use other values (``zf.optim.group``: ``lr``, ``betas``, ``eps``, ``weight_decay``).
+    ``state_dtype``: the moments' storage, ``torch.float32`` (fp64 for fp64 params) or
+    ``torch.bfloat16`` (half the state's bytes; math still fp32: the module docstring)."""
+    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True, groups=groups, state_dtype=state_dtype)
 
 
 def adam(
@@ -61,14 +68,16 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     groups=(),
+    state_dtype: torch.dtype = torch.float32,
 ) -> Optimizer:
     """Adam, the math of ``torch.optim.Adam``: decay added to the gradient (L2). ``groups``: as
-    :func:`adamw`'s."""
-    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False, groups=groups)
+    :func:`adamw`'s, and so is ``state_dtype``."""
+    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False, groups=groups, state_dtype=state_dtype)
 
 
-def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=()) -> Optimizer:
+def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=(), state_dtype=torch.float32) -> Optimizer:
     schedule_lr = as_schedule(name, lr)
+    zeros = _zeros_state(name, state_dtype)
 
     def check(h):
         if not callable(h["lr"]):
@@ -88,8 +97,7 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=()) -> Optimi
 
     def init(params):
         labels.check_names(params)
-        return AdamState(zero_count(), tree_map(_zeros_master, params), tree_map(_zeros_master, params),
-                         zero_steps(params))
+        return AdamState(zero_count(), tree_map(zeros, params), tree_map(zeros, params), zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
         p, spec = tree_flatten(params)
@@ -287,6 +295,22 @@ def _lowp_like(lowp_params, p_leaves, spec) -> list[torch.Tensor]:
 
 def _zeros_master(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+
+
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _zeros_state(name: str, state_dtype):
+    """Adam's moment maker for ``state_dtype`` (checked here, when the optimizer is made): fp32
+    (or the parameter's wider dtype), or bf16 whatever the parameter."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"{name}: state_dtype must be torch.float32 (the default) or torch.bfloat16 (moments stored in bf16, "
+            f"math in fp32), got {state_dtype!r}; fp16 moments would underflow the second moment"
+        )
+    if state_dtype == torch.float32:
+        return _zeros_master
+    return lambda p: torch.zeros_like(p, dtype=state_dtype)
 
 
 def _leaves_like(tree, what: str, p_leaves, spec, params) -> list[torch.Tensor]:
