@@ -1,0 +1,152 @@
+"""``metrics["comm"]`` counts exactly the collectives each layout implies (zfunc.dist's counts).
+
+The expected calls and bytes are derived here from the model's unit sizes and the layouts'
+documented behaviour, not read back from zfunc: a unit's flat buffer holds its parameters padded to
+a multiple of W; zero3 gathers every unit in forward and again in backward except the root and the
+unit forward released last (zfunc.coordinator's docstring); under gloo a gradient that goes home is
+all-reduced in full (``reduce_scatter_mean_start(scratch=True)``: an all-reduce on the wire, counted
+as one); zero1/zero2 gather the updated slices after the update, which on the host first agrees in
+one float64 flag whether every rank's update went through (zfunc.transforms.zero); ``accumulate``
+reduces sharded gradients every micro-batch and whole ones once (zfunc.transforms.accumulate);
+every buffer is broadcast from rank 0 each step. Sizes follow nccl-tests: an all-gather's gathered
+output, a reduce-scatter's full input, the tensor of the rest.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc as zf
+from workers import workers
+
+WIDTHS = (3, 7, 5)  # the blocks' hidden sizes: every unit has its own size
+STEPS = 3
+
+
+class Net(nn.Module):
+    """A residual MLP with a buffer: the root unit (inp, out), one unit per block."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, h), nn.Tanh(), nn.Linear(h, 4)) for h in WIDTHS)
+        self.out = nn.Linear(4, 2)
+        self.register_buffer("shift", torch.zeros(6))
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h + self.shift[:4].to(h.dtype)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+def unit_numels() -> tuple[int, list[int]]:
+    """The parameters of the root unit and of each block, counted from the layers' shapes."""
+    linear = lambda i, o: i * o + o  # noqa: E731
+    return linear(3, 4) + linear(4, 2), [linear(4, h) + linear(h, 4) for h in WIDTHS]
+
+
+def build(composition: str):
+    """``composition``: stages and transforms joined by '+', e.g. 'zero3+bf16+acc2'."""
+    torch.manual_seed(0)
+    model = Net()
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return F.mse_loss(zf.apply(model, params, x), y)
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
+    parts = composition.split("+")
+    if "bf16" in parts:
+        step = zf.mixed_precision(step)
+    if "bf16reduce" in parts:
+        step = zf.mixed_precision(step, reduce_dtype=torch.bfloat16)
+    n = next((int(p[3:]) for p in parts if p.startswith("acc")), 1)
+    if n > 1:
+        step = zf.accumulate(step, n)
+    stage = parts[0]
+    if stage != "replicated":
+        step = getattr(zf, stage)(step)
+    return model, step, n
+
+
+def run_counts(composition: str) -> list[dict]:
+    """``metrics["comm"]`` of each of ``STEPS`` steps of ``composition`` on this rank."""
+    model, step, n = build(composition)
+    state = step.init(model)
+    counts = []
+    for i in range(STEPS):
+        g = torch.Generator().manual_seed(100 * i + zf.dist.rank())
+        micro = [(torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)) for _ in range(n)]
+        state, metrics = step(state, micro if n > 1 else micro[0])
+        counts.append(metrics["comm"])
+    return counts
+
+
+def expected(composition: str, w: int) -> dict:
+    """The data collectives one step of ``composition`` issues at ``w`` ranks: {kind: {calls, bytes}}."""
+    parts = composition.split("+")
+    stage = parts[0]
+    n = next((int(p[3:]) for p in parts if p.startswith("acc")), 1)
+    low = "bf16" in parts or "bf16reduce" in parts
+    gather_size = 2 if low else 4  # parameters are gathered in the compute dtype
+    reduce_size = 2 if "bf16reduce" in parts else 4
+    root, blocks = unit_numels()
+    padded = [math.ceil(u / w) * w for u in (root, *blocks)]
+    full = sum(padded)
+    out: dict = {}
+
+    def add(kind, calls, nbytes):
+        c = out.setdefault(kind, {"calls": 0, "bytes": 0})
+        c["calls"] += calls
+        c["bytes"] += nbytes
+
+    add("broadcast", 1, 6 * 4)  # the buffer, rank 0's, every step
+    reductions = n if stage in ("zero2", "zero3") else 1  # sharded gradients every micro-batch, whole ones once
+    add("all_reduce", reductions * len(padded), reductions * reduce_size * full)
+    if stage == "zero3":
+        regathered = padded[1:-1]  # backward: every block but the last forward released; the root is kept
+        add("all_gather", n * (len(padded) + len(regathered)), n * gather_size * (full + sum(regathered)))
+    if stage in ("zero1", "zero2"):
+        add("all_gather", len(padded), gather_size * full)  # the updated slices, back to every rank
+        add("all_reduce", 1, 8)  # the host update's agreement (one float64 flag)
+    return out
+
+
+def check(results: list[list[dict]], composition: str, w: int) -> None:
+    want = expected(composition, w)
+    for rank, steps in enumerate(results):
+        for i, comm in enumerate(steps):
+            assert set(comm) == {"world"}, (rank, i, comm)
+            got = dict(comm["world"])
+            agreement = got.pop("agreement")  # the step's agreement vector (and at first, the lockstep checks)
+            assert agreement["calls"] >= 1 and agreement["bytes"] >= 8, agreement
+            assert got == want, f"{composition} at W = {w}, rank {rank}, step {i}: {got} != {want}"
+
+
+FAST = ["zero3", "zero2", "zero1", "replicated"]
+SLOW = ["zero3+acc2", "zero2+acc3", "zero1+acc2", "replicated+acc2", "zero3+bf16", "zero3+bf16reduce",
+        "zero2+bf16", "zero3+bf16+acc2"]
+
+
+def run_many(compositions: list[str]) -> dict:
+    return {c: run_counts(c) for c in compositions}
+
+
+def test_each_stage_counts_what_its_layout_implies_w2():
+    """Every stage at W = 2, three steps each (the first records the trace: same counts)."""
+    results = workers(2).run(run_many, FAST)
+    for c in FAST:
+        check([r[c] for r in results], c, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3])
+def test_accumulation_and_mixed_precision_count_what_they_imply(w):
+    compositions = SLOW + (FAST if w == 3 else [])
+    results = workers(w).run(run_many, compositions)
+    for c in compositions:
+        check([r[c] for r in results], c, w)
