@@ -194,10 +194,14 @@ def wrapper_role(node_type: type, field: str) -> str | None:
     inner optimizer's state in a node with a field ``inner`` (``node_type._fields``
     names its children): that field is ``"inner"``; a field ``master`` holds the
     fp32 master weights (``"master"``); any other field another copy of the
-    parameters (``"params"``). None: ``node_type`` wraps nothing."""
+    parameters (``"params"``), unless ``node_type.own_parts`` names it: a part of its own, known by
+    its name (offload_cpu(delay=1)'s ``ahead``, the parameters with the pending update). None:
+    ``node_type`` wraps nothing."""
     fields = getattr(node_type, "_fields", ())
     if INNER not in fields:
         return None
+    if field in getattr(node_type, "own_parts", ()):
+        return field
     return field if field in (INNER, MASTER) else "params"
 
 

@@ -46,6 +46,7 @@ from .rates import measure as measure_rates
 from ...optim.base import Optimizer, apply_update, state_bytes_per_element
 from ...placement import CPU, DEVICE, Placement, compute_device
 from ...pytree import NAMESPACE, tree_leaves, tree_map
+from .delayed import check_delay, delayed_optimizer
 from .host_update import UnitUpdates, Uploads
 from ..sinks import GradOffHome, with_grad_sink
 from .host_sums import HostSums, to_host
@@ -260,8 +261,10 @@ class Offload(Transform):
 
     def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
                  plan: OffloadPlan | None = None, ratio: float | None = None, budget: int | None = None,
-                 rates: Rates | None = None, overlap: bool | None = None, accumulate_on: str = "device"):
+                 rates: Rates | None = None, overlap: bool | None = None, accumulate_on: str = "device",
+                 delay: int = 0, delay_after: int = 0):
         self.pin_memory = pin_memory
+        self.delay, self.delay_after = delay, delay_after  # the delayed update (zfunc.transforms.offload.delayed)
         self.accumulate_on = accumulate_on
         # the host update behind the next forward (zfunc.transforms.offload.host_update); default: where CUDA is
         self.overlap = UnitUpdates() if (torch.cuda.is_available() if overlap is None else overlap) else None
@@ -277,7 +280,8 @@ class Offload(Transform):
         return "offload_cpu"
 
     def describe(self, inner: str) -> str:
-        return f"offload_cpu({inner}{', params=True' if self.params else ''})"
+        delayed = f", delay={self.delay}, delay_after={self.delay_after}" if self.delay else ""
+        return f"offload_cpu({inner}{', params=True' if self.params else ''}{delayed})"
 
     def check(self, inner) -> None:
         check_inside_zero(self, inner, "zeroN(offload_cpu(f))")
@@ -320,9 +324,11 @@ class Offload(Transform):
         if self.rates is None:  # this machine's, once per transform (measured, or read from the cache)
             self.rates = measure_rates(dist.compute_device(state.params.spec.process_group))
         waited = None if self.overlap is None else self.overlap.take_waited()
-        return {"offload": roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"],
-                                    r["first_params"], r["pcie_bytes"], self.rates, waited_s=waited,
-                                    micro_batches=self._micro)}
+        out = roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"], r["first_params"],
+                       r["pcie_bytes"], self.rates, waited_s=waited, micro_batches=self._micro)
+        if self.delay:  # this step's update lands at the next step that updates (delay=), or at once
+            out["delayed"] = r.get("delayed", False)
+        return {"offload": out}
 
     def init_home(self, step, spec, places, group):
         """Before anything is made: refuse optimizer state (master weights included) that this
@@ -341,7 +347,10 @@ class Offload(Transform):
         return _HostHome(self._pin)
 
     def wrap_optimizer(self, optimizer):
-        return host_optimizer(optimizer, self._pin, self._record, self.overlap)
+        host = host_optimizer(optimizer, self._pin, self._record, self.overlap)
+        if not self.delay:
+            return host
+        return delayed_optimizer(host, HostState, self._pin, self.delay_after, self._record)
 
     def move(self, leaf: torch.Tensor, to: str, device: torch.device | None = None) -> torch.Tensor:
         """To the CPU: a host copy (pinned where CUDA exists); to DEVICE: onto ``device``."""
@@ -374,7 +383,8 @@ class Offload(Transform):
 def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
                 copy_grads_on_host: bool = False, plan: OffloadPlan | str | None = None,
                 ratio: float | None = None, budget: int | None = None, rates: Rates | None = None,
-                overlap: bool | None = None, accumulate_on: str = "device") -> Step:
+                overlap: bool | None = None, accumulate_on: str = "device", delay: int = 0,
+                delay_after: int = 0) -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
 
     ``params``: keep zero3's parameter shards in host memory too, copied to the device as
@@ -396,6 +406,10 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     reduced shard copied down and added in pinned host memory, under zero2 and zero3: 4 bytes a
     parameter less GPU memory, for a copy and a host add every micro-batch, as DeepSpeed's
     ZeRO-Offload does).
+    ``delay``: 1 for ZeRO-Offload's delayed parameter update: each update lands one step late, so
+    the host runs it behind the whole of the next step's forward and backward, which use the
+    parameters from before it (zfunc.transforms.offload.delayed says exactly what it computes);
+    0 (the default): the exact update. ``delay_after``: the first that many updates are exact.
     """
     if accumulate_on not in ("device", "host"):
         raise ValueError(f"offload_cpu: accumulate_on must be 'device' or 'host', got {accumulate_on!r}")
@@ -411,8 +425,9 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
                          f"{ratio}")
     budget = whole(budget, "offload_cpu", "budget")
     plan = as_plan(plan, "offload_cpu")
+    check_delay(delay, delay_after, params, plan is not None or ratio is not None or budget is not None)
     return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap,
-                             accumulate_on))
+                             accumulate_on, delay, delay_after))
 
 
 def make_device_plan(spec, step, offload: Offload, p: Placement, plan, ratio, budget, rates) -> OffloadPlan:

@@ -1,0 +1,204 @@
+"""offload_cpu(delay=1): ZeRO-Offload's delayed parameter update, equal to its plain PyTorch
+reference (tests/harness/delayed_reference.py: ``torch.optim.AdamW`` applying each gradient one
+step late) in fp32 within 1e-5, at every stage, W = 1 and 2, with accumulation, clipping on the
+delayed gradient, fp16 overflow (a skipped step stays skipped), the update behind the next step on
+the worker thread (``overlap``) or not, and across a checkpoint's save, load and resume. Its exact
+branch (``delay_after``) is ``delay=0`` bit for bit, and a delayed update that fails refuses the state."""
+import importlib
+import os
+import tempfile
+
+import pytest
+import torch
+
+import zfunc as zf
+from cases import run_composed
+from delayed_reference import delayed_reference
+from models import batch, build, local, loss
+from workers import workers
+
+GPT = {}
+CPU = {"kind": "cpu", "copy_grads_on_host": True}
+TOL = 1e-5
+
+
+def _run(stage, steps, offload, per_rank=4, precision=None, micro=None, clip=None, inject=None):
+    return run_composed("gpt", GPT, stage, steps, per_rank, 0, precision, micro, clip, False, None, False, inject,
+                        offload=offload, peek=False)
+
+
+def _close(got: dict, want: dict, tol: float = TOL) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        diff = (got[k].float() - want[k].float()).abs().max().item()
+        assert diff <= tol, f"{k}: {diff}"
+
+
+def _check(results, ref, delayed_from: int, steps: int, key: str = "params", tol: float = TOL) -> None:
+    for r in results:
+        _close(r["params"], ref[key], tol)
+        losses = [h["loss"] for h in r["history"]]
+        assert max(abs(a - b) for a, b in zip(losses, ref["losses"])) <= tol, (losses, ref["losses"])
+        flags = [h["offload"]["delayed"] for h in r["history"] if not h["skipped"]]
+        updates = sum(not s for s in ref["skipped"])
+        assert flags == [i >= delayed_from for i in range(updates)]
+
+
+def test_delayed_equals_its_reference():
+    """Fast sibling: W = 1, zero3, fp32, one exact update then delayed; the delay shows (the exact
+    run differs)."""
+    steps = 4
+    (r,) = workers(1).run(_run, 3, steps, {**CPU, "delay": 1, "delay_after": 1})
+    ref = delayed_reference("gpt", GPT, steps, 4, delay_after=1)
+    _check([r], ref, 1, steps)
+    exact = delayed_reference("gpt", GPT, steps, 4, delay_after=steps)
+    assert any(not torch.allclose(r["params"][k], exact["params"][k], atol=1e-4) for k in exact["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_delayed_equals_its_reference_at_every_stage(world, stage):
+    """Accumulated micro-batches, clipping on the delayed gradient (by its own norm), overlap on
+    and off, from the first update and after two exact ones."""
+    steps = 5
+    for delay_after in (0, 2):
+        ref = delayed_reference("gpt", GPT, steps, 4 * world, delay_after=delay_after, clip=0.05)
+        for overlap in (False, True):
+            off = {**CPU, "delay": 1, "delay_after": delay_after, "overlap": overlap}
+            _check(workers(world).run(_run, stage, steps, off, 4, None, 2, 0.05), ref, delay_after, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_overflowing_gradient_is_never_applied(world):
+    """fp16 at a fixed scale of 1024, an inf injected at steps 1 and 3: those steps are skipped
+    whole and the pending update stays pending. The fp32 master holds the pending update too
+    (``ahead``); its tolerance is fp16's forward, not fp32's."""
+    steps, inject = 6, [(), (0,), (), (0,), (), ()]
+    ref = delayed_reference("gpt", GPT, steps, 4 * world, overflow=(1, 3), dtype=torch.float16, loss_scale=1024.0)
+    precision = {"dtype": torch.float16, "loss_scale": 1024.0}
+    for overlap in (False, True):
+        off = {**CPU, "delay": 1, "overlap": overlap}
+        results = workers(world).run(_run, 3, steps, off, 4, precision, None, None, inject)
+        for r in results:
+            assert [h["skipped"] for h in r["history"]] == ref["skipped"]
+        _check(results, ref, 0, steps, key="ahead", tol=2e-3)
+
+
+@pytest.mark.slow
+def test_the_loss_scale_follows_each_steps_own_gradient():
+    """Dynamic fp16 scaling: the scale, and which steps it skips, are those of the exact update
+    (the scaler reads the gradient the step took, delayed or not)."""
+    steps, inject = 6, [(), (0,), (0,), (), (), ()]
+    precision = {"dtype": torch.float16, "loss_scale": "dynamic"}
+    (exact,) = workers(1).run(_run, 3, steps, CPU, 4, precision, None, None, inject)
+    (late,) = workers(1).run(_run, 3, steps, {**CPU, "delay": 1}, 4, precision, None, None, inject)
+    for key in ("loss_scale", "skipped"):
+        assert [h[key] for h in late["history"]] == [h[key] for h in exact["history"]]
+    assert sum(h["skipped"] for h in late["history"]) >= 1
+
+
+@pytest.mark.slow
+def test_the_exact_branch_is_delay_0_bit_for_bit():
+    """``delay_after`` past the last step: every update takes the delayed state's exact branch,
+    bit for bit the exact update (bf16, clipped, accumulated; overlap on and off)."""
+    opts = dict(precision={"dtype": torch.bfloat16}, micro=2, clip=0.5)
+    for overlap in (False, True):
+        (plain,) = workers(1).run(_run, 3, 4, {**CPU, "overlap": overlap}, 4, *opts.values())
+        (late,) = workers(1).run(_run, 3, 4, {**CPU, "overlap": overlap, "delay": 1, "delay_after": 4}, 4,
+                                 *opts.values())
+        for k in plain["params"]:
+            assert torch.equal(plain["params"][k], late["params"][k]), k
+        assert [h["loss"] for h in plain["history"]] == [h["loss"] for h in late["history"]]
+
+
+def resumed(world_dir: str, stage: int, steps: int, cut: int, overlap: bool) -> dict:
+    """``steps`` delayed steps, the state saved after ``cut`` of them, loaded into a fresh one and
+    run on: the losses and parameters of the resumed run, and of the uninterrupted one."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+
+    def make():
+        model = build("gpt", 0)
+        twin = build("gpt", 0)
+
+        def loss_fn(params, b):
+            return loss("gpt", zf.apply(model, params, b[0]), b[1])
+
+        step = zf.train_step(loss_fn, zf.optim.adamw(1e-3, weight_decay=0.01))
+        step = zf.offload_cpu(zf.mixed_precision(step, dtype=torch.bfloat16), copy_grads_on_host=True,
+                              overlap=overlap, delay=1, delay_after=1)
+        step = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+        return step, step.init(model), twin
+
+    def run(step, state, twin, lo, hi):
+        losses = []
+        for i in range(lo, hi):
+            state, m = step(state, local(batch("gpt", twin, i, 4 * world), rank, world))
+            losses.append(m["loss"].item())
+        return state, losses
+
+    step, state, twin = make()
+    state, whole = run(step, state, twin, 0, steps)
+    want = {k: v.clone() for k, v in zf.gather_params(state).items()}
+    behind = [t.clone() for t in state.params.leaves]
+    step, state, twin = make()
+    state, first = run(step, state, twin, 0, cut)
+    zf.checkpoint.save(state, world_dir, "cut")
+    step, fresh, twin = make()
+    fresh, _ = zf.checkpoint.load(fresh, world_dir, "cut")
+    fresh, rest = run(step, fresh, twin, cut, steps)
+    return {"whole": whole, "resumed": first + rest, "want": want, "got": zf.gather_params(fresh),
+            "behind": all(torch.equal(a, b) for a, b in zip(behind, fresh.params.leaves))}
+
+
+@pytest.mark.parametrize("world, stage, overlap", [
+    (1, 3, False), pytest.param(2, 2, True, marks=pytest.mark.slow), pytest.param(2, 3, True, marks=pytest.mark.slow)])
+def test_a_checkpoint_keeps_the_pending_update(world, stage, overlap):
+    """Saved after 3 steps (one exact, two delayed: an update pending), loaded and run to 6: equal to
+    the uninterrupted run, bit for bit (bf16 parameters behind, fp32 master ahead)."""
+    with tempfile.TemporaryDirectory() as d:
+        for r in workers(world).run(resumed, os.path.join(d, "ckpt"), stage, 6, 3, overlap):
+            assert r["resumed"] == r["whole"]
+            for k in r["want"]:
+                assert torch.equal(r["got"][k], r["want"][k]), k
+            assert r["behind"]
+
+
+def test_a_delayed_update_that_fails_refuses_the_state(monkeypatch):
+    """The update behind the next step breaks: the state it returned, and the next, refuse."""
+    from test_offload_plan import Net
+
+    model = Net()
+
+    def loss_fn(params, b):
+        return torch.nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), units=lambda name, m: isinstance(m, torch.nn.Sequential))
+    step = zf.zero3(zf.offload_cpu(step, copy_grads_on_host=True, overlap=True, delay=1))
+    state = step.init(model)
+    b = (torch.randn(8, 6), torch.randn(8, 2))
+    state, _ = step(state, b)
+    state.opt_state.ahead.leaves  # the first update is over before the kernel breaks
+    adam = importlib.import_module("zfunc.ops.adam")
+
+    def broken(*a, **k):
+        raise RuntimeError("the host Adam failed")
+
+    monkeypatch.setattr(adam.cpu_adam, "fused_update_", broken)
+    monkeypatch.setattr(adam, "torch_adam_", broken)
+    state, metrics = step(state, b)  # the update is behind: the step itself returns
+    assert metrics["offload"]["delayed"]
+    with pytest.raises(zf.UpdateFailed if hasattr(zf, "UpdateFailed") else RuntimeError,
+                       match="the host Adam failed|optimizer update"):
+        step(state, b)
+    with pytest.raises(RuntimeError):
+        state.params.leaves
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(delay=2), "not later"), (dict(delay=-1), "whole number"), (dict(delay=1, delay_after=1.5), "whole number"),
+    (dict(delay=1, params=True), "params=True"), (dict(delay=1, ratio=0.5), "plan=/ratio=/budget=")])
+def test_bad_delays_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        zf.offload_cpu(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), **kw)
