@@ -7,6 +7,7 @@ branch (``delay_after``) is ``delay=0`` bit for bit, and a delayed update that f
 import importlib
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -34,11 +35,14 @@ def _close(got: dict, want: dict, tol: float = TOL) -> None:
         assert diff <= tol, f"{k}: {diff}"
 
 
-def _check(results, ref, delayed_from: int, steps: int, key: str = "params", tol: float = TOL) -> None:
+def _check(results, ref, delayed_from: int, steps: int, key: str = "params", tol: float = TOL,
+           loss_rel: float = TOL) -> None:
+    """``loss_rel``: the losses' tolerance relative to their size (an fp16 loss is rounded to 2^-10
+    of it, per rank at W > 1, on the global batch in the reference)."""
     for r in results:
         _close(r["params"], ref[key], tol)
         losses = [h["loss"] for h in r["history"]]
-        assert max(abs(a - b) for a, b in zip(losses, ref["losses"])) <= tol, (losses, ref["losses"])
+        assert all(abs(a - b) <= loss_rel * abs(b) for a, b in zip(losses, ref["losses"])), (losses, ref["losses"])
         flags = [h["offload"]["delayed"] for h in r["history"] if not h["skipped"]]
         updates = sum(not s for s in ref["skipped"])
         assert flags == [i >= delayed_from for i in range(updates)]
@@ -83,7 +87,7 @@ def test_an_overflowing_gradient_is_never_applied(world):
         results = workers(world).run(_run, 3, steps, off, 4, precision, None, None, inject)
         for r in results:
             assert [h["skipped"] for h in r["history"]] == ref["skipped"]
-        _check(results, ref, 0, steps, key="ahead", tol=2e-3)
+        _check(results, ref, 0, steps, key="ahead", tol=2e-3, loss_rel=2e-3)
 
 
 @pytest.mark.slow
@@ -165,28 +169,81 @@ def test_a_checkpoint_keeps_the_pending_update(world, stage, overlap):
             assert r["behind"]
 
 
-def test_a_delayed_update_that_fails_refuses_the_state(monkeypatch):
-    """The update behind the next step breaks: the state it returned, and the next, refuse."""
+class _Release(torch.autograd.Function):
+    """Identity on the loss; its backward sets ``gate`` (when given)."""
+
+    @staticmethod
+    def forward(value, gate):
+        return value.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.gate = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.gate is not None:
+            ctx.gate.set()
+        return g, None
+
+
+def _net_step(gate: dict):
+    """zero3(offload_cpu(delay=1, overlap=True)) of a small net whose backward sets ``gate["event"]``
+    (if set), and its batch."""
     from test_offload_plan import Net
 
     model = Net()
 
     def loss_fn(params, b):
-        return torch.nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
+        value = torch.nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
+        return _Release.apply(value, gate.get("event"))
 
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), units=lambda name, m: isinstance(m, torch.nn.Sequential))
-    step = zf.zero3(zf.offload_cpu(step, copy_grads_on_host=True, overlap=True, delay=1))
-    state = step.init(model)
-    b = (torch.randn(8, 6), torch.randn(8, 2))
+    step = zf.zero3(zf.offload_cpu(step, copy_grads_on_host=True, overlap=True, delay=1, rates=zf.Rates(1e9)))
+    return step, step.init(model), (torch.randn(8, 6), torch.randn(8, 2))
+
+
+def _kernels(monkeypatch, fn):
+    """The host Adam's kernels replaced by ``fn(original, *args, **kw)``."""
+    adam = importlib.import_module("zfunc.ops.adam")
+    for owner, name in ((adam.cpu_adam, "fused_update_"), (adam, "torch_adam_")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _o=original, **k: fn(_o, *a, **k))
+
+
+def test_the_delayed_update_runs_behind_the_next_forward_and_backward(monkeypatch):
+    """Step 2's host update is held until step 3's backward runs: step 2 returns, and step 3's
+    forward and backward run without it (had either waited, the held update would time out and
+    the state refuse); step 3's update then waits for it."""
+    gate = {}
+    step, state, b = _net_step(gate)
+    state, _ = step(state, b)
+    state.opt_state.ahead.leaves
+    released = threading.Event()
+
+    def held(original, *a, **k):
+        assert released.wait(30), "the next step's backward never ran while this update was held"
+        return original(*a, **k)
+
+    _kernels(monkeypatch, held)
+    state, m2 = step(state, b)  # returns with its update held
+    gate["event"] = released
+    state, m3 = step(state, b)  # its backward releases step 2's update
+    assert released.is_set() and m2["offload"]["delayed"] and m3["offload"]["delayed"]
+    state.opt_state.ahead.leaves  # the update went through
+    assert all(torch.isfinite(t).all() for t in state.params.leaves)
+
+
+def test_a_delayed_update_that_fails_refuses_the_state(monkeypatch):
+    """The update behind the next step breaks: the state it returned, and the next, refuse."""
+    step, state, b = _net_step({})
     state, _ = step(state, b)
     state.opt_state.ahead.leaves  # the first update is over before the kernel breaks
-    adam = importlib.import_module("zfunc.ops.adam")
 
-    def broken(*a, **k):
+    def broken(original, *a, **k):
         raise RuntimeError("the host Adam failed")
 
-    monkeypatch.setattr(adam.cpu_adam, "fused_update_", broken)
-    monkeypatch.setattr(adam, "torch_adam_", broken)
+    _kernels(monkeypatch, broken)
     state, metrics = step(state, b)  # the update is behind: the step itself returns
     assert metrics["offload"]["delayed"]
     with pytest.raises(zf.UpdateFailed if hasattr(zf, "UpdateFailed") else RuntimeError,
