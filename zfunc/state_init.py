@@ -19,7 +19,7 @@ from . import compiled, dist, layout, lazy
 from .buffers import use_large_blocks
 from .state import State
 from .tree import Params, ParamsSpec, build_spec
-from .unit_init import unit_buffers
+from .unit_init import device_of_model, is_meta_model, unit_buffers
 from .weights.pretrained import Weights
 
 
@@ -43,7 +43,7 @@ def _build(step, model: nn.Module, homes: list, *, free_model, init_fn, device, 
     w, r = dist.world_size(group), dist.rank(group)
     spec = build_spec(model, step.units, w)
     places = tuple(step.placement(u, spec) for u in spec.units)
-    device = dist.device_of(group) if device is None else torch.device(device)
+    device = _device(model, device, group)
     dist.set_compute_device(group, device)  # units read from host memory or disk are computed there
     # offload_nvme: the state's swap folder; each unit's shards (frozen too) go to disk as they are made
     home = next((h for t in step.transforms if (h := t.init_home(step, spec, places, group)) is not None), None)
@@ -71,7 +71,7 @@ def _build(step, model: nn.Module, homes: list, *, free_model, init_fn, device, 
     swap_key = None if home is None else home.key
     params = Params(ParamsSpec(spec, places, sharded, False, key, swap_key), trainable)
     frozen_params = Params(ParamsSpec(spec, places, sharded, True, key, swap_key), frozen)
-    buffers = {name: b.detach().clone() for name, b in compiled.named_buffers(model)}
+    buffers = {name: b.detach().to(device, copy=True) for name, b in compiled.named_buffers(model)}
     for b in buffers.values():
         dist.broadcast(b, 0, group)
     # the optimizer (mixed precision: its fp32 master) starts from the model's own values,
@@ -91,6 +91,17 @@ def _build(step, model: nn.Module, homes: list, *, free_model, init_fn, device, 
     if read is not None:
         object.__setattr__(state, "loading_info", read.incompatible)
     return state
+
+
+def _device(model: nn.Module, device, group) -> torch.device:
+    """Where the state is made: ``device`` if given (a model built elsewhere is copied there unit by
+    unit, as DeepSpeed and FSDP2 move a CPU-built model to the GPU); else a model built on an
+    accelerator stays there; else the group's device (the GPU under nccl, the CPU under gloo)."""
+    if device is not None:
+        return torch.device(device)
+    if not is_meta_model(model) and device_of_model(model).type not in ("cpu", "meta"):
+        return device_of_model(model)
+    return dist.device_of(group)
 
 
 def _cast(params: Params, dtypes) -> Params:

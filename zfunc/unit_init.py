@@ -57,8 +57,6 @@ def unit_buffers(model: nn.Module, spec: ModelSpec, device, init_fn: Callable | 
     (``whole`` False); one they hold in part (``strict=False``) is made as without weights,
     then the files' tensors are written over it."""
     meta = is_meta_model(model)
-    if not meta:
-        device = _device_of(model)
     owners = _owning_modules(model, spec) if meta else {}
     init = _Init(model, init_fn)
     for i, unit in enumerate(spec.units):
@@ -366,6 +364,7 @@ def _init_buffers(model: nn.Module, device, init: _Init, weights) -> None:
                     weights.read_buffer(full, b)
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of_model(model: nn.Module) -> torch.device:
+    """Where a built model's parameters are (the CPU for one without parameters)."""
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")

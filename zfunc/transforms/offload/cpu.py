@@ -267,7 +267,13 @@ class Offload(Transform):
         self.delay, self.delay_after = delay, delay_after  # the delayed update (zfunc.transforms.offload.delayed)
         self.accumulate_on = accumulate_on
         # the host update behind the next forward (zfunc.transforms.offload.host_update); default: where CUDA is
-        self.overlap = UnitUpdates() if (torch.cuda.is_available() if overlap is None else overlap) else None
+        if overlap and accumulate_on == "host":
+            raise ValueError("offload_cpu: overlap=True cannot be combined with accumulate_on='host' (on an H200 the "
+                             "update behind the next forward then differed from the synchronous one); leave overlap "
+                             "unset, or use accumulate_on='device'")
+        if overlap is None:  # the host sums' update runs after backward: see the error above
+            overlap = torch.cuda.is_available() and accumulate_on != "host"
+        self.overlap = UnitUpdates() if overlap else None
         self.copy_grads_on_host = copy_grads_on_host
         self.params = params
         self.plan, self.ratio, self.budget, self.rates = plan, ratio, budget, rates
