@@ -22,7 +22,7 @@ import zfunc as zf
 from workers import workers
 
 WIDTHS = (3, 7, 5)  # the blocks' hidden sizes: every unit has its own size
-STEPS = 3
+STEPS = 2  # the first records the trace (its collectives checked), the second follows it
 
 
 class Net(nn.Module):
@@ -137,7 +137,7 @@ def run_many(compositions: list[str]) -> dict:
 
 
 def test_each_stage_counts_what_its_layout_implies_w2():
-    """Every stage at W = 2, three steps each (the first records the trace: same counts)."""
+    """Every stage at W = 2, two steps each (the first records the trace: the same data collectives)."""
     results = workers(2).run(run_many, FAST)
     for c in FAST:
         check([r[c] for r in results], c, 2)
@@ -150,3 +150,85 @@ def test_accumulation_and_mixed_precision_count_what_they_imply(w):
     results = workers(w).run(run_many, compositions)
     for c in compositions:
         check([r[c] for r in results], c, w)
+
+
+# ------------------------------------------------------------------ zfunc.dist's counting itself
+
+
+def run_kinds() -> dict:
+    """Each collective of zfunc.dist once, on the world and on the subgroup of ranks 0 and 2 (W = 3),
+    unlabelled and then labelled; point to point from rank 0 to 1; one collective from a thread."""
+    import threading
+
+    from zfunc import dist
+
+    r = dist.rank()
+    pair = dist.new_group([0, 2])
+    out = {}
+    with dist.counting() as out["world"]:
+        dist.all_gather(torch.ones(5))  # 3 x 5 float32 gathered
+        dist.all_gather_inplace_start(torch.zeros(9, dtype=torch.float64)).wait()
+        dist.reduce_scatter_mean_start(torch.ones(6)).wait()  # a reduce-scatter of 6 float32
+        dist.reduce_scatter_mean_start(torch.ones(6), scratch=True).wait()  # gloo: an all-reduce
+        dist.all_reduce_mean(torch.ones(4, dtype=torch.bfloat16))
+        dist.all_reduce_sum(torch.ones(2, dtype=torch.int64))
+        dist.broadcast(torch.ones(3, dtype=torch.int64))
+        dist.barrier()
+        dist.same_everywhere((1, 2))
+        if r == 0:
+            dist.send_start(torch.ones(7), 1).wait()
+        elif r == 1:
+            dist.recv(torch.zeros(7), 0)
+        thread = threading.Thread(target=dist.all_reduce_sum, args=(torch.ones(10),))
+        thread.start()
+        thread.join()
+    with dist.counting() as out["pair"]:
+        if r != 1:
+            dist.all_reduce_sum(torch.ones(3), pair)
+            dist.label_group(pair, "pair")
+            dist.all_gather(torch.ones(2, dtype=torch.float16), pair)
+    return out
+
+
+def test_each_kind_counts_its_whole_buffer_per_group():
+    results = workers(3).run(run_kinds)
+    for rank, got in enumerate(results):
+        world = {"all_gather": {"calls": 2, "bytes": 3 * 5 * 4 + 9 * 8}, "reduce_scatter": {"calls": 1, "bytes": 24},
+                 "all_reduce": {"calls": 4, "bytes": 24 + 4 * 2 + 2 * 8 + 10 * 4}, "broadcast": {"calls": 1, "bytes": 24},
+                 "barrier": {"calls": 1, "bytes": 4}, "agreement": {"calls": 1, "bytes": 3 * 2 * 8}}
+        if rank == 0:
+            world["send"] = {"calls": 1, "bytes": 28}
+        if rank == 1:
+            world["recv"] = {"calls": 1, "bytes": 28}
+        assert got["world"] == {"world": world}, (rank, got["world"])
+        pair = {} if rank == 1 else {"ranks(0,2)": {"all_reduce": {"calls": 1, "bytes": 12}},
+                                     "pair": {"all_gather": {"calls": 1, "bytes": 2 * 2 * 2}}}
+        assert got["pair"] == pair, (rank, got["pair"])
+
+
+def test_counts_from_many_threads_add_up():
+    """The counters take a lock: counts from threads running at once are all there."""
+    import threading
+
+    from zfunc import dist
+
+    def issue():
+        for _ in range(2000):
+            dist._count("send", None, 3)
+
+    with dist.counting() as comm:
+        threads = [threading.Thread(target=issue) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert comm == {"world": {"send": {"calls": 16000, "bytes": 48000}}}
+
+
+def test_label_group_refuses_bad_labels():
+    from zfunc import dist
+
+    with pytest.raises(ValueError, match="non-empty string"):
+        dist.label_group(object(), "")
+    with pytest.raises(ValueError, match="always counted as 'world'"):
+        dist.label_group(None, "shard")
