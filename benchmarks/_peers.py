@@ -87,6 +87,8 @@ PEERS = {
                            offload="cpu_plan"),
     "zfunc_cpu_ratio": Peer("zfunc zero3(offload_cpu(mixed_precision(...), ratio=--ratio)): hand-set split", "zfunc",
                             offload="cpu_ratio"),
+    "zfunc_cpu_delay": Peer("zfunc zero3(offload_cpu(mixed_precision(...), delay=1)): each update one step late, "
+                            "behind the next step's forward and backward", "zfunc", offload="cpu_delay"),
     "zfunc_nvme": Peer("zfunc zero3(offload_nvme(mixed_precision(...), path))", "zfunc", offload="nvme"),
 }
 
@@ -227,6 +229,7 @@ ZFUNC_OFFLOADS = {
     "cpu_overlap": lambda step, s: zf.offload_cpu(step, overlap=True),  # the default on CUDA; on the CPU too
     "cpu_sync": lambda step, s: zf.offload_cpu(step, overlap=False),
     "cpu_host_sums": lambda step, s: zf.offload_cpu(step, accumulate_on="host"),
+    "cpu_delay": lambda step, s: zf.offload_cpu(step, delay=1),
     "cpu_params": lambda step, s: zf.offload_cpu(step, params=True),
     "cpu_plan": lambda step, s: zf.offload_cpu(step, budget=int(s.budget * 2**30)),
     "cpu_ratio": lambda step, s: zf.offload_cpu(step, ratio=s.ratio),

@@ -62,14 +62,14 @@ SIZES = {  # model, sequences per micro-batch, micro-batches per step, GPU cap (
 TINY = dict(layers=2, width=64, heads=4, vocab=256, seq=64, batch=2, cap=None, warmup=1, steps=2, timeout=150)
 MODE_PEERS = {  # each mode's peers (benchmarks/_peers.py's PEERS)
     "fits": ["zfunc", "fsdp2", "ds3"],
-    "offload": ["zfunc_cpu", "zfunc_cpu_sync", "zfunc_cpu_host_sums", "zfunc_cpu_params", "zfunc_cpu_plan",
-                "zfunc_cpu_ratio", "ds_cpu", "ds_cpu_params"],
+    "offload": ["zfunc_cpu", "zfunc_cpu_sync", "zfunc_cpu_delay", "zfunc_cpu_host_sums", "zfunc_cpu_params",
+                "zfunc_cpu_plan", "zfunc_cpu_ratio", "ds_cpu", "ds_cpu_params"],
     "nvme": ["zfunc_nvme", "ds_nvme"],
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
          "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
                      ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio"), ("zfunc_cpu", "zfunc_cpu_sync"),
-                     ("zfunc_cpu_host_sums", "ds_cpu")],
+                     ("zfunc_cpu_host_sums", "ds_cpu"), ("zfunc_cpu_delay", "zfunc_cpu"), ("zfunc_cpu_delay", "ds_cpu")],
          "nvme": [("zfunc_nvme", "ds_nvme")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
 

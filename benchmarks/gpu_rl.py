@@ -44,6 +44,7 @@ def parse_args():
     p.add_argument("--small", action="store_true")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    p.add_argument("--profile", action="store_true", help="zfunc: the first stream under cProfile, top functions printed")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.small:
@@ -121,11 +122,20 @@ def zfunc_case(args) -> dict:
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         base = allocated(device)
+        profiler = None
+        if args.profile and bucket_mb == 64:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         total, t0 = 0, time.perf_counter()
         for _, t in zf.iter_weights(state, dtype=torch.bfloat16, bucket_bytes=bucket_mb << 20, device=device):
             total += t.numel() * t.element_size()
         sync(device)
         seconds = time.perf_counter() - t0
+        if profiler is not None:
+            import pstats
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(18)
         peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else 0
         streams.append({"bucket_mb": bucket_mb, "bytes": total, "s": seconds, "gbps": total / seconds / 1e9,
                         "peak_added": peak})
@@ -193,7 +203,7 @@ def main():
     rows = []
     for case in args.cases.split(","):
         cmd = [sys.executable, __file__, "--worker", case, "--device", args.device, "--layers", str(args.layers),
-               "--width", str(args.width), "--vocab", str(args.vocab), "--seq", str(args.seq)]
+               "--width", str(args.width), "--vocab", str(args.vocab), "--seq", str(args.seq)] + ["--profile"] * args.profile
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -202,6 +212,8 @@ def main():
                 continue
             rows.append(json.loads(lines[-1][7:]))
             print(lines[-1], flush=True)
+            if args.profile:
+                print(p.stderr[-6000:], flush=True)
         except subprocess.TimeoutExpired:
             print(f"== {case} timed out after {args.timeout} s", flush=True)
     gib = 2 ** 30
