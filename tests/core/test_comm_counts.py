@@ -232,3 +232,37 @@ def test_label_group_refuses_bad_labels():
         dist.label_group(object(), "")
     with pytest.raises(ValueError, match="always counted as 'world'"):
         dist.label_group(None, "shard")
+
+
+# ------------------------------------------------------------------ the engines pass it on
+
+
+def run_engine(stage: int, gas: int, imperative: bool) -> list[dict]:
+    """``engine.last_metrics["comm"]`` of each of ``STEPS`` updates of ``zf.initialize``'s engine."""
+    torch.manual_seed(0)
+    model = Net()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    if stage == 3:  # as zf.zero3's defaults: release each unit after use, persist none
+        config["zero_optimization"].update(stage3_max_reuse_distance=0, stage3_param_persistence_threshold=0)
+    engine = zf.initialize(model, config, loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]))
+    g = torch.Generator().manual_seed(zf.dist.rank())
+    data = iter(lambda: (torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)), None)
+    counts = []
+    for _ in range(STEPS):
+        if imperative:
+            for _ in range(gas):
+                engine.backward(engine(next(data)))
+                engine.step()
+        else:
+            engine.train_batch(data)
+        counts.append(engine.last_metrics["comm"])
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("imperative", [False, True], ids=["train_batch", "imperative"])
+@pytest.mark.parametrize("stage, gas", [(3, 1), (3, 2), (2, 2), (1, 2), (0, 1)])
+def test_the_engine_reports_each_updates_collectives(stage, gas, imperative):
+    composition = ("replicated" if stage == 0 else f"zero{stage}") + (f"+acc{gas}" if gas > 1 else "")
+    check(workers(2).run(run_engine, stage, gas, imperative), composition, 2)
