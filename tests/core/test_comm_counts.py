@@ -266,3 +266,51 @@ def run_engine(stage: int, gas: int, imperative: bool) -> list[dict]:
 def test_the_engine_reports_each_updates_collectives(stage, gas, imperative):
     composition = ("replicated" if stage == 0 else f"zero{stage}") + (f"+acc{gas}" if gas > 1 else "")
     check(workers(2).run(run_engine, stage, gas, imperative), composition, 2)
+
+
+class PipeLin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(PIPE_D, PIPE_D)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+PIPE_D, PIPE_B = 8, 2  # the activations' width and the micro-batch size
+
+
+def run_pipeline(micro: int) -> dict:
+    """Two stages of two layers each, ``micro`` micro-batches a step: each stage's ``metrics["comm"]``."""
+    torch.manual_seed(0)
+    pipe = zf.PipelineModule([zf.LayerSpec(PipeLin) for _ in range(4)], 2, F.mse_loss, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": PIPE_B, "gradient_accumulation_steps": micro,
+              "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 1}}
+    engine = zf.initialize(pipe, config)
+    g = torch.Generator().manual_seed(0)
+    counts = []
+    for _ in range(STEPS):
+        data = iter([(torch.randn(PIPE_B, PIPE_D, generator=g), torch.randn(PIPE_B, PIPE_D, generator=g))
+                     for _ in range(micro)])
+        engine.train_batch(data)
+        counts.append(engine.last_metrics["comm"])
+    return {"stage": engine.grid.stage, "counts": counts}
+
+
+@pytest.mark.slow
+def test_the_pipeline_counts_its_activations_and_gradients_point_to_point():
+    """Each micro-batch stage 0 sends its activation and receives its gradient, stage 1 the reverse,
+    PIPE_B x PIPE_D float32 each; the first step also sends each link's shapes, once: their length
+    (one int64) and their code (count, dtype, dims, the two sizes: five int64)."""
+    micro = 3
+    act = PIPE_B * PIPE_D * 4
+    for r in workers(2).run(run_pipeline, micro):
+        for i, comm in enumerate(r["counts"]):
+            got = dict(comm["world"])
+            assert got.pop("agreement")["calls"] >= 1, comm
+            shapes = {"calls": 2, "bytes": 8 + 5 * 8} if i == 0 else {"calls": 0, "bytes": 0}
+            want = {kind: {"calls": micro + shapes["calls"], "bytes": micro * act + shapes["bytes"]}
+                    for kind in ("send", "recv")}
+            assert got == want, (r["stage"], i, comm)
+            assert set(comm) == {"world"}, comm
