@@ -66,6 +66,5 @@ def get_local_rank() -> int:
 
 
 def barrier(group=None) -> None:
-    """Wait for every rank (torch.distributed's barrier; nothing to wait for alone)."""
-    if dist.is_initialized():
-        torch_dist.barrier(group)
+    """Wait for every rank (zfunc.dist's barrier, counted as one; nothing to wait for alone)."""
+    dist.barrier(group)
