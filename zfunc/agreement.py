@@ -39,7 +39,7 @@ class Agreement(NamedTuple):
     live: tuple[tuple[bool | None, ...], ...] | None = None
 
 
-def agree(out: GradOut, order: int, state: State | None, group, transforms) -> Agreement:
+def agree(out: GradOut, order: int, state: State | None, group, transforms, *, replicate=None) -> Agreement:
     """One all-reduce over ``group`` for what every rank must agree on after backward.
 
     First, whether some rank's ``state`` is refused (an update that failed: ``fault_of``); if so,
@@ -52,13 +52,18 @@ def agree(out: GradOut, order: int, state: State | None, group, transforms) -> A
     any gradient is non-finite and the global squared norm (``grad_stats``), the
     loss, and whether every rank materialized units in the same order (``order``,
     the coordinator's fingerprint of it).
+
+    Hybrid sharding: ``group`` spans every rank and ``replicate`` is the group holding the same
+    shards as this rank (averaged over it already: zfunc.placement.replicate_mean), so the shards'
+    norm is counted on its first rank only, once per shard, not once per replica.
     """
     loss, grads = out.loss, out.grads
     leaves = grads.leaves
     w, r = dist.world_size(group), dist.rank(group)
     used = [float(g is not None) for g in leaves]
     flags = live_flags(grads, out.live)
-    bad, sq_shard, sq_whole = grad_stats(grads, transforms, whole_here=r == 0)
+    shards_here = replicate is None or dist.rank(replicate) == 0
+    bad, sq_shard, sq_whole = grad_stats(grads, transforms, whole_here=r == 0, shards_here=shards_here)
     vec = summed([float(loss), *used, *bad, float(order), float(order) ** 2, *flags, sq_shard, sq_whole],
                  state, group, "its step's agreement")
     k = len(leaves)
@@ -77,14 +82,16 @@ def agree(out: GradOut, order: int, state: State | None, group, transforms) -> A
                      True, agreed_live(grads, vec[3 + 2 * k : 3 + 2 * k + len(flags)]))
 
 
-def grad_stats(grads: Params, transforms, *, whole_here: bool, norm_elsewhere=()) -> tuple[list[float], float, float]:
+def grad_stats(grads: Params, transforms, *, whole_here: bool, norm_elsewhere=(), shards_here: bool = True
+               ) -> tuple[list[float], float, float]:
     """This rank's part of the non-finite flags and the squared norm, in one read of each gradient
     (``nonfinite_and_sq_norm``, unless a transform measured it: ``Transform.grad_stats``).
 
     Returns, per gradient, 1.0 where it holds an inf or NaN; then the squared norm of the
     shards, which count on every rank, and of the whole gradients, the same on every rank and so
-    counted only where ``whole_here``. ``norm_elsewhere``: units whose norm another rank counts
-    (the pipeline's tied modules, on their first stage)."""
+    counted only where ``whole_here``, and the shards only where ``shards_here`` (hybrid sharding:
+    on one replica). ``norm_elsewhere``: units whose norm another rank counts (the pipeline's tied
+    modules, on their first stage)."""
     bad, sq_shard, sq_whole = [], 0.0, 0.0
     for i, (g, shard) in enumerate(zip(grads.leaves, grads.spec.sharded)):
         if g is None or g.numel() == 0:
@@ -96,7 +103,7 @@ def grad_stats(grads: Params, transforms, *, whole_here: bool, norm_elsewhere=()
         if i in norm_elsewhere:
             continue
         if shard:
-            sq_shard += sq
+            sq_shard += sq if shards_here else 0.0
         elif whole_here:
             sq_whole += sq
     return bad, sq_shard, sq_whole

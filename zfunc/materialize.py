@@ -102,13 +102,15 @@ class _Unit:
             return self.leaf.dtype
         return self.place.reduce_dtype or self.leaf.dtype
 
-    def send_home_start(self, grad_full: torch.Tensor, out_dtype: torch.dtype | None = None) -> dist.Pending:
+    def send_home_start(self, grad_full: torch.Tensor, out_dtype: torch.dtype | None = None, *,
+                        final: bool = True) -> dist.Pending:
         """Start reducing this unit's full gradient (given up) to its home form: an event of the
-        coordinator's pass first, so the ranks' reductions are kept in step as their gathers are."""
+        coordinator's pass first, so the ranks' reductions are kept in step as their gathers are.
+        ``final``: the step's last reduction of it (``placement.send_home_start``)."""
         if self.tracker.run is not None and dist.world_size(self.group) > 1:
             self.tracker.run.sending_home(self)
         with dist.labelled(self.name):
-            return placement.send_home_start(self.place, grad_full, self.group, out_dtype=out_dtype)
+            return placement.send_home_start(self.place, grad_full, self.group, out_dtype=out_dtype, final=final)
 
     def reduce(self, grad_full: torch.Tensor) -> torch.Tensor | None:
         # grad_full is ours (Materialize's backward made it): it is reduced in place

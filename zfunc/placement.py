@@ -25,6 +25,7 @@ A unit's life::
 | reduce_dtype | mixed_precision: the dtype gradients are reduced in (fp32 by default) |
 | param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update (with ``params=True`` the parameter shards too); offload_nvme: all three in swap files (parameters and optimizer state as asked) |
 | acc_home | device; offload_cpu(accumulate_on="host"): the fp32 sums of ``accumulate`` in host memory (units whose gradients are reduce-scattered each micro-batch) |
+| replicate | zero1/2/3(mesh=...): the ranks holding the same shard (hybrid sharding); a gradient reduced in the shard group is averaged over them once per step |
 
 The homes are read where things move: ``param_home`` by materialization (below) and init,
 ``grad_home`` by the grad sinks (offload_cpu's ``GradToHost`` copies a gradient to the host
@@ -60,6 +61,9 @@ class Placement:
     opt: str = REPLICATED
     opt_home: str = DEVICE
     acc_home: str = DEVICE  # where an accumulating step keeps the unit's fp32 sum between micro-batches
+    # hybrid sharding: ``dist.group_key`` of the ranks that hold the same shard as this one (the mesh's
+    # replicate dim; None: no replicas), over which the shard group's reduced gradient is averaged
+    replicate: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for field, value, allowed in (("params", self.params, (REPLICATED, SHARDED)),
@@ -147,8 +151,8 @@ def _copy_in(place: Placement, leaf: torch.Tensor, group, ready) -> dist.Pending
     return dist.all_gather_inplace_start(full, group) if w > 1 else dist.Pending(full)
 
 
-def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype: torch.dtype | None = None
-                    ) -> dist.Pending:
+def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype: torch.dtype | None = None,
+                    *, final: bool = True) -> dist.Pending:
     """Start reducing a unit's full gradient (which the caller gives up) to its home form.
 
     The reduction runs in ``place.reduce_dtype`` (default: the gradient's own);
@@ -156,9 +160,17 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
     that exists from the start and is filled by ``wait()``, on the gradient's
     device; a grad sink of offload (``GradToHost``, ``GradToDisk``) takes it
     to ``place.grad_home`` from there.
+
+    Under hybrid sharding (``place.replicate``) a ``final`` reduction, the step's last of this
+    gradient, is then averaged over the replicas in the reduce dtype (``replicate_mean``); an
+    accumulating step reduces each micro-batch's shard with ``final=False`` and averages the sum
+    once, after the last micro-batch's shard is in it.
     """
     reduce_dtype = place.reduce_dtype or grad_full.dtype
     out_dtype = out_dtype or reduce_dtype
+    if final and place.replicate is not None:
+        pending = send_home_start(place, grad_full, group, reduce_dtype, final=False)
+        return pending.then(lambda g: replicate_mean(place, g)).cast(out_dtype)
     if dist.world_size(group) == 1:
         return dist.Pending(grad_full if grad_full.dtype == out_dtype else grad_full.to(out_dtype))
     if grad_full.dtype != reduce_dtype:
@@ -169,6 +181,14 @@ def send_home_start(place: Placement, grad_full: torch.Tensor, group, out_dtype:
     if place.grads_sharded:
         return dist.reduce_scatter_mean_start(grad_full, group, scratch=True, out_dtype=out_dtype)
     return dist.all_reduce_mean_start(grad_full, group).cast(out_dtype)
+
+
+def replicate_mean(place: Placement, g: torch.Tensor) -> torch.Tensor:
+    """``g`` (a gradient in its home form, reduced in the shard group) averaged in place over the
+    ranks that hold the same shard (``place.replicate``; none: ``g`` as it is)."""
+    if place.replicate is not None:
+        dist.all_reduce_mean(g, dist.group_of(place.replicate))
+    return g
 
 
 def grad_is_shard(place: Placement, leaf_is_shard: bool) -> bool:

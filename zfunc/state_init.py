@@ -61,7 +61,7 @@ def _build(step, model: nn.Module, homes: list, *, free_model, init_fn, device, 
             for flat, out in zip(flats, (trainable, frozen)):
                 leaf = flat  # read from the files: this rank's part already
                 if whole:
-                    dist.broadcast(flat, 0, group)  # every rank starts from rank 0's weights
+                    dist.broadcast(flat, 0, step.agreement_group)  # every rank starts from rank 0's weights
                     leaf = layout.shard(flat, r, w).clone() if places[i].params_sharded else flat
                 if home is not None:
                     leaf = home.keep(i, spec.units[i], places[i], leaf, frozen=out is frozen)
@@ -73,7 +73,7 @@ def _build(step, model: nn.Module, homes: list, *, free_model, init_fn, device, 
     frozen_params = Params(ParamsSpec(spec, places, sharded, True, key, swap_key), frozen)
     buffers = {name: b.detach().to(device, copy=True) for name, b in compiled.named_buffers(model)}
     for b in buffers.values():
-        dist.broadcast(b, 0, group)
+        dist.broadcast(b, 0, step.agreement_group)
     # the optimizer (mixed precision: its fp32 master) starts from the model's own values,
     # then the parameters take the dtype their placement stores them in
     opt_state = step.update_part().init(params) if step.optimizer is not None else None

@@ -135,7 +135,19 @@ class Step:
 
     @property
     def group(self):
+        """The process group the state is sharded over (under a mesh: its shard group)."""
         return self._setting("group")
+
+    @property
+    def replicate(self):
+        """Hybrid sharding (zero's ``mesh=``): the process group the state is replicated over, else None."""
+        return self._setting("replicate")
+
+    @property
+    def agreement_group(self):
+        """The ranks that run this step together and agree on it: the step's group, or under a mesh
+        every rank (zfunc.transforms.hybrid)."""
+        return None if self.replicate is not None else self.group
 
     @property
     def units(self):
@@ -149,7 +161,8 @@ class Step:
 
     def plan(self) -> Plan:
         """What the state's layout depends on: the transforms that shape it, and W."""
-        return Plan(self._describe(tuple(t for t in self.transforms if t.shapes_state)), dist.world_size(self.group))
+        return Plan(self._describe(tuple(t for t in self.transforms if t.shapes_state)),
+                    dist.world_size(self.agreement_group))
 
     def update_part(self, below: Transform | None = None):
         """The optimizer wrapped by the transforms (only those inside ``below``, if given)."""
@@ -211,11 +224,11 @@ class Step:
                 raise refusal()
             raise TypeError(f"a step takes a zfunc State (from step.init(model)), got {type(state).__name__}")
         if entry:
-            agree_at_entry(state, self.group, self.coordinator().settings.timeout_s)
+            agree_at_entry(state, self.agreement_group, self.coordinator().settings.timeout_s)
         for t in self.transforms:
             t.check_state(state)
         fault = fault_of(state)
-        if fault is not None and (fault.agreed or (dist.world_size(self.group) == 1 and not agrees)):
+        if fault is not None and (fault.agreed or (dist.world_size(self.agreement_group) == 1 and not agrees)):
             raise fault.error()  # else every rank runs to the agreement, which refuses it on all of them
         if getattr(state, "_donated", False):
             raise ValueError(
@@ -232,7 +245,7 @@ class Step:
         """Fresh buffers for this step: rank 0's, as DDP broadcasts them before each forward."""
         buffers = {k: v.clone() for k, v in state.buffers.items()}
         for b in buffers.values():
-            dist.broadcast(b, 0, self.group)
+            dist.broadcast(b, 0, self.agreement_group)
         return buffers
 
     def __call__(self, state: State, batch) -> tuple[State, dict]:
@@ -243,7 +256,8 @@ class Step:
         scale = None if scaler is None else float(state.loss_scale.scale)
         with self.continuing() as coordinator:
             out = self._grad_part()(state.params, batch, frozen=state.frozen, buffers=started.buffers, scale=scale)
-            agreed = agree(out, coordinator.order_hash(), state, self.group, self.transforms)
+            agreed = agree(out, coordinator.order_hash(), state, self.agreement_group, self.transforms,
+                           replicate=self.replicate)
         return self._counted(self._finish(state, out, agreed, started))
 
     # ------------------------------------------------------- a step in parts
@@ -271,11 +285,12 @@ class Step:
         departure from the agreed order or a failed collective becomes the error that says where
         the ranks' orders differ, or which rank did not arrive."""
         coordinator = self.coordinator()
-        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s, self.group):
+        group = self.agreement_group
+        with coordination.active(coordinator), dist.deadline(coordinator.settings.timeout_s, group):
             try:
                 yield coordinator
             except (dist.CollectiveTimeout, torch.distributed.DistError) as e:
-                coordinator.diverged(self.group, cause=e)
+                coordinator.diverged(group, cause=e)
 
     def apply_gradients(self, state: State, out: GradOut, started: "Started | None" = None, *,
                         agreement: Agreement | None = None) -> tuple[State, dict]:
@@ -289,7 +304,8 @@ class Step:
         self._check(state)
         if agreement is None:
             with self.continuing() as coordinator:
-                agreement = agree(out, coordinator.order_hash(), state, self.group, self.transforms)
+                agreement = agree(out, coordinator.order_hash(), state, self.agreement_group, self.transforms,
+                                  replicate=self.replicate)
         return self._counted(self._finish(state, out, agreement, started))
 
     def _counted(self, result: tuple[State, dict]) -> tuple[State, dict]:
@@ -304,7 +320,7 @@ class Step:
                 ) -> tuple[State, dict]:
         """Everything after the agreement: metrics, the loss scale, a skipped or applied update."""
         if not agreed.same_order:
-            self.coordinator().diverged(self.group)
+            self.coordinator().diverged(self.agreement_group)
         buffers = state.buffers if started is None else started.buffers
         scaler = self.loss_scaler
         scale = None if scaler is None else float(state.loss_scale.scale)
@@ -409,11 +425,11 @@ class EvalStep(Step):
                 losses.append((out[0] if self.has_aux else out).detach().float().reshape(()))
                 auxes.append(out[1] if self.has_aux else None)
             h = float(coordinator.order_hash())
-            vec = summed([torch.stack(losses).mean().item(), h, h * h], state, self.group,
+            vec = summed([torch.stack(losses).mean().item(), h, h * h], state, self.agreement_group,
                          "its eval step's agreement")
-        w = dist.world_size(self.group)
+        w = dist.world_size(self.agreement_group)
         if not same_order(vec[1], vec[2], w):
-            coordinator.diverged(self.group)
+            coordinator.diverged(self.agreement_group)
         metrics = {"loss": torch.tensor(vec[0] / w, dtype=torch.float32),
                    "prefetch": coordination.merge(passes), "comm": dist.comm_since(mark)}
         if self.has_aux:

@@ -218,6 +218,10 @@ class Jit(Transform):
 
     def check(self, inner) -> None:
         Transform.check(self, inner)
+        if any(t.replicate is not None for t in inner):
+            raise ValueError("zf.jit of a hybrid-sharded step (zero's mesh=) is not supported yet: the compiled "
+                             "program reduces gradients in the shard group only, not over the replicas; leave the "
+                             "step eager and compile the blocks (zf.compile_units(model) before step.init)")
 
     def grad_part(self, loss_fn: Callable, has_aux: bool):
         """The gradient part as ``zfunc.grad.value_and_grad_with_stats`` gives it, traced."""

@@ -44,6 +44,7 @@ class Transform:
     shapes_state = True  # part of the state's Plan
     prefetch = None  # the coordinator's settings (zfunc.coordinator.Prefetch)
     group = None  # the process group the step runs over (None: the world)
+    replicate = None  # hybrid sharding: the process group the state is replicated over (zero's mesh=)
     unit_policy = None  # the unit policy (zf.units)
     loss_scaler = None  # fp16's LossScaler: the step scales the loss and may skip
     accumulates = False  # the gradient part sums micro-batches (in fp32)

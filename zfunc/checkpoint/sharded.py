@@ -213,10 +213,22 @@ def _check_space(folder: str, need: int, group) -> None:
                           "how much); nothing was written, the previous checkpoint is intact")
 
 
-def _from_rank0(value: int, group) -> int:
-    out = torch.tensor([float(value if dist.rank(group) == 0 else 0)], dtype=torch.float64,
-                       device=dist.device_of(group))
+def _from_lead(value: int, lead: bool, group) -> int:
+    """The ``value`` of the rank that writes the manifest (``lead``), on every rank of ``group``."""
+    out = torch.tensor([float(value if lead else 0)], dtype=torch.float64, device=dist.device_of(group))
     return int(dist.all_reduce_sum(out, group).item())
+
+
+def _writers(state, group) -> tuple[bool, int, int]:
+    """``(whether this rank writes, the index of its file, how many files)``. Flat: every rank of
+    ``group`` writes its own. Hybrid sharding (zero's ``mesh=``): only the first replica's ranks write,
+    one file per rank of the shard group, so the checkpoint is the one a flat run over the shard
+    group writes, and no rank writes what another holds the same copy of."""
+    key = next((p.replicate for p in state.params.spec.placements if p.replicate is not None), None)
+    if key is None:
+        return True, dist.rank(group), dist.world_size(group)
+    shard = state.params.spec.process_group
+    return dist.rank(dist.group_of(key)) == 0, dist.rank(shard), dist.world_size(shard)
 
 
 def save(state, directory: str, tag: str, *, extra: dict | None = None, group=None) -> str:
@@ -225,19 +237,38 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
 
     ``extra``: plain data for the manifest (the engine's counters, its config).
     """
-    r, w = dist.rank(group), dist.world_size(group)
+    writes, r, w = _writers(state, group)  # r: this rank's file; w: the files
+    lead = writes and r == 0  # writes the manifest
     folders.check_tag(tag)
     with contextlib.suppress(OSError):
         _settle(state)  # a write that failed leaves the swap files refused, just below
     check_usable(state, collective=True, group=group)  # a failed update: refused on every rank, writing nothing
     os.makedirs(directory, exist_ok=True)
     roles, nodes, _ = _parts(state)
-    _check_space(directory, _bytes_to_write(nodes, r), group)
-    if r == 0:
+    _check_space(directory, _bytes_to_write(nodes, r) if writes else 0, group)
+    if lead:
         folders.prepare(directory, tag)
-    final = folders.name(tag, _from_rank0(folders.free_name(directory, tag) if r == 0 else 0, group))
+    final = folders.name(tag, _from_lead(folders.free_name(directory, tag) if lead else 0, lead, group))
     staging = folders.staging(directory, tag)
-    writer = Writer(os.path.join(staging, f"rank{r}.bin"))
+    if writes:
+        layouts = _write(roles, nodes, os.path.join(staging, f"rank{r}.bin"), r)
+    dist.barrier(group)  # every rank's files are complete
+    if lead:
+        spec = state.params.spec.model
+        manifest = {"format": FORMAT, "tag": tag, "saved_ns": time.time_ns(), "world": w,
+                    "composition": None if state.plan is None else state.plan.composition,
+                    "count": int(state.count), "model": model_layout(spec), "layouts": layouts,
+                    "transient_buffers": list(spec.transient_buffers), **(extra or {})}
+        write_json(os.path.join(staging, folders.MANIFEST), manifest)
+        folders.publish(directory, tag, final)
+    dist.barrier(group)
+    return os.path.join(directory, final)
+
+
+def _write(roles, nodes, path: str, r: int) -> dict:
+    """Write file ``r`` (``path``): the shards of every part, and where ``r`` is 0 the whole ones and
+    the other tensors; returns the parts' layouts for the manifest."""
+    writer = Writer(path)
     layouts = {}
     for role, node in zip(roles, nodes):
         if role in layouts:  # offload's host copy of the parameters: the same numbers as ``params``
@@ -264,17 +295,7 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().tolist()
     writer.close({"rank": r, "rng": rng})
-    dist.barrier(group)  # every rank's files are complete
-    if r == 0:
-        spec = state.params.spec.model
-        manifest = {"format": FORMAT, "tag": tag, "saved_ns": time.time_ns(), "world": w,
-                    "composition": None if state.plan is None else state.plan.composition,
-                    "count": int(state.count), "model": model_layout(spec), "layouts": layouts,
-                    "transient_buffers": list(spec.transient_buffers), **(extra or {})}
-        write_json(os.path.join(staging, folders.MANIFEST), manifest)
-        folders.publish(directory, tag, final)
-    dist.barrier(group)
-    return os.path.join(directory, final)
+    return layouts
 
 
 # ------------------------------------------------------------------------ loading

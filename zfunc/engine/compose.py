@@ -17,7 +17,7 @@ from torch import nn
 
 from ..optim import lr as lr_schedules
 from ..optim.reported_lr import next_lr, update_count
-from .. import compiled, optim
+from .. import compiled, dist, optim
 from ..transforms.accumulate import accumulate
 from .config import OffloadParamConfig
 from ..transforms.loss_scale import LossScaler
@@ -136,12 +136,14 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
     elif opt_dev == "cpu":
         ratio = z.offload_optimizer.ratio  # DeepSpeed's Twin-Flow: the share updated on the host
         step = offload_cpu(step, pin_memory=z.offload_optimizer.pin_memory, ratio=None if ratio == 1.0 else ratio)
+    mesh = _mics_mesh(z.mics_shard_size, group)
     if z.stage == 1:
-        step = zero1(step, group=group)
+        step = zero1(step, group=group, mesh=mesh)
     elif z.stage == 2:
-        step = zero2(step, group=group)
+        step = zero2(step, group=group, mesh=mesh)
     elif z.stage == 3:
-        step = zero3(step, group=group, persistence_threshold=z.stage3_param_persistence_threshold, **coordinator)
+        step = zero3(step, group=group, mesh=mesh, persistence_threshold=z.stage3_param_persistence_threshold,
+                     **coordinator)
     elif group is not None:
         step = zero1(step, group=group)  # a pipeline stage's replicas still average their gradients there
     if c is not None and c.deepcompile and not isinstance(base, EvalStep):
@@ -149,6 +151,22 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
             jit_kwargs = {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")}
         step = jit(step, **jit_kwargs)
     return step
+
+
+_meshes: dict = {}
+
+
+def _mics_mesh(shard_size: int, group):
+    """MiCS's ``mics_shard_size`` as hybrid sharding's mesh (``zf.dist.mesh(shard=...)``: shard groups of
+    consecutive ranks, as MiCS makes them), one per size in a process; None where it is off."""
+    if shard_size <= 0:
+        return None
+    if group is not None:
+        raise ValueError("zero_optimization.mics_shard_size with a PipelineModule is not supported yet: hybrid "
+                         "sharding's mesh spans every rank, a pipeline stage's data-parallel group does not")
+    if shard_size not in _meshes:
+        _meshes[shard_size] = dist.mesh(shard=shard_size)
+    return _meshes[shard_size]
 
 
 # ------------------------------------------------------------------------ compiling

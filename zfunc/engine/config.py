@@ -123,6 +123,10 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     sub_group_size: int = 1_000_000_000
+    # MiCS: all states sharded over groups of this many consecutive ranks, replicated across them
+    # (-1: off); zfunc's hybrid sharding, zero's mesh=zf.dist.mesh(shard=mics_shard_size)
+    mics_shard_size: int = -1
+    mics_hierarchical_params_gather: bool = False  # accepted: it only routes MiCS's gathers
 
 
 @dataclass(frozen=True)
@@ -548,15 +552,21 @@ def _zero(sec: _Section | None) -> ZeroConfig:
         stage3_max_live_parameters=big("stage3_max_live_parameters", 1_000_000_000, "max_live_parameters"),
         stage3_max_reuse_distance=big("stage3_max_reuse_distance", 1_000_000_000, "max_reuse_distance"),
         sub_group_size=sec.get("sub_group_size", "int", 1_000_000_000, lo=1),
+        mics_shard_size=sec.get("mics_shard_size", "int", -1, lo=-1),
+        mics_hierarchical_params_gather=sec.get("mics_hierarchical_params_gather", "bool", False),
     )
+    if out["mics_shard_size"] == 0:
+        raise ValueError(f"{sec.where('mics_shard_size')} is 0: give the number of ranks each shard group spans "
+                         "(e.g. a node's), or -1 for no MiCS")
+    if out["mics_shard_size"] > 0 and out["stage"] == 0:
+        raise ValueError(f"{sec.where('mics_shard_size')} shards the states within groups of ranks, which needs a "
+                         "ZeRO stage: set zero_optimization.stage to 1, 2 or 3 (MiCS is DeepSpeed's stage 3)")
     sec.ignore(*_ZERO_TUNING)
     for key, ok, what in (
         ("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning"),
         ("zero_quantized_weights", False, "ZeRO++ quantized weights"),
         ("zero_quantized_nontrainable_weights", False, "quantized frozen weights"),
         ("zero_quantized_gradients", False, "ZeRO++ quantized gradients"),
-        ("mics_shard_size", -1, "MiCS sharding"),
-        ("mics_hierarchical_params_gather", False, "MiCS hierarchical gathers"),
         ("zeropp_loco_param", _ALWAYS, "LoCo-ZeRO++"),
         ("zenflow", _ALWAYS, "ZenFlow"),
         ("cpu_offload", False, "the legacy cpu_offload flag (write offload_optimizer {\"device\": \"cpu\"})"),

@@ -288,7 +288,7 @@ class Engine(Loop):
         if window is None or not window.losses:
             raise ValueError("engine.step() at a gradient accumulation boundary, but no engine.backward(loss) since "
                              "the last update: run loss = engine(batch); engine.backward(loss) first")
-        out = window.grad_out(self.step_fn.group, self.gradient_accumulation_steps())
+        out = window.grad_out(self.step_fn.agreement_group, self.gradient_accumulation_steps())
         self.state, metrics = self.step_fn.apply_gradients(self.state, out, window.started)
         self.micro_steps += 1
         self._stepped(metrics, window.tokens, time.perf_counter() - window.start)

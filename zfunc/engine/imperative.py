@@ -20,6 +20,7 @@ import torch
 from .. import dist, lazy, swap
 from ..grad import GradOut, forward as run_forward, grad_spec, materialized, merge_live
 from ..materialize import Materialize
+from ..placement import replicate_mean
 from ..step import Step
 from ..transforms.sinks import GradSink, Sink
 from ..tree import Params
@@ -200,9 +201,16 @@ class Window:
 
 
 def _reduce_whole(grads: Params, group) -> None:
-    """Average the gradients that go home whole (stage 0, zero1) over ``group``: the sums the
-    accumulator reduces in the boundary's backward (zfunc.transforms.accumulate), when none came."""
-    for g, sharded in zip(grads.leaves, grads.spec.sharded):
+    """Average the gradients that go home whole (stage 0, zero1) over ``group`` (the step's
+    agreement group: every rank of a mesh), and under hybrid sharding the shards over their
+    replicas: what the accumulator does in the boundary's backward (zfunc.transforms.accumulate),
+    when none came."""
+    for g, sharded, place in zip(grads.leaves, grads.spec.sharded, grads.spec.placements):
+        if g is not None and sharded and place.replicate is not None:
+            if swap.on_disk(g):
+                raise ValueError("engine.step() at the accumulation boundary with no engine.backward since the last "
+                                 "step(): with gradients on NVMe, run the boundary micro-batch's backward")
+            replicate_mean(place, g)
         if g is None or sharded:
             continue
         if swap.on_disk(g):

@@ -20,7 +20,7 @@ import abc
 
 import torch
 
-from .. import buffers, dist, layout
+from .. import buffers, dist, layout, placement
 from ..tree import Params
 
 
@@ -143,13 +143,19 @@ class GradSink(Sink):
         acc = self._acc(unit)
         tracker = unit.tracker
         if self.spec.sharded[unit.index]:
-            pending = unit.send_home_start(grad_full)
-            tracker.reducing(pending.then(lambda g: self._done(unit, self.home.add(unit, acc, g)), acc))
+            pending = unit.send_home_start(grad_full, final=False)
+            added = lambda g: self._done(unit, self._replicated(unit, self.home.add(unit, acc, g)))  # noqa: E731
+            tracker.reducing(pending.then(added, acc))
             return
         self._settled(unit)
         acc.add_(grad_full)
         buffers.give(grad_full)
         self._reduce_if_last(unit, acc)
+
+    def _replicated(self, unit, acc: torch.Tensor) -> torch.Tensor:
+        """Hybrid sharding: in the last micro-batch, once its shard is added, the sum averaged over
+        the replicas (``placement.replicate_mean``): one all-reduce a step, of the whole sum."""
+        return placement.replicate_mean(unit.place, acc) if self.last else acc
 
     def take_home(self, index: int, grad: torch.Tensor) -> None:
         """Add unit ``index``'s gradient, already in its home form (zf.jit's program reduced it),

@@ -13,6 +13,12 @@ from the placement record (zfunc.placement).
 | 1 | replicated | all-reduced | sharded |
 | 2 | replicated | reduce-scattered | sharded |
 | 3 | sharded, gathered per unit | reduce-scattered | sharded |
+
+Hybrid sharding (FSDP2's HSDP, DeepSpeed's MiCS): given ``mesh=`` (a 2-D DeviceMesh, dims
+replicate and shard: zfunc.transforms.hybrid) each stage shards over the shard group, the
+step's group, and every shard group holds the same state; a gradient reduced in the shard
+group is averaged over the replicate group once a step (``Placement.replicate``), and the
+step's agreement spans every rank.
 """
 from __future__ import annotations
 
@@ -27,14 +33,17 @@ from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement, o
 from ..step import Step, expect_step, set_units
 from ..transform import Transform
 from ..tree import UpdateFailed
+from .hybrid import read_mesh
 
 
 class Zero(Transform):
     family = "zero"
 
-    def __init__(self, stage: int, group=None, persistence_threshold: int = 0, prefetch: Prefetch | None = None):
+    def __init__(self, stage: int, group=None, persistence_threshold: int = 0, prefetch: Prefetch | None = None,
+                 replicate=None):
         self.stage = stage
-        self.group = group
+        self.group = group  # the shard group
+        self.replicate = replicate  # hybrid sharding: the ranks holding the same shards (None: none)
         self.persistence_threshold = persistence_threshold
         self.prefetch = prefetch  # the coordinator's settings, if given here
 
@@ -44,6 +53,8 @@ class Zero(Transform):
 
     def describe(self, inner: str) -> str:
         extra = f", persistence_threshold={self.persistence_threshold}" if self.persistence_threshold else ""
+        if self.replicate is not None:
+            extra += f", mesh={dist.world_size(self.replicate)}x{dist.world_size(self.group)}"
         return f"zero{self.stage}({inner}{extra})"
 
     def check(self, inner) -> None:
@@ -53,9 +64,13 @@ class Zero(Transform):
             why = t.params_off_device_error(self.stage) if self.stage in (1, 2) else None
             if why is not None:
                 raise ValueError(why)
+            if self.replicate is not None and getattr(t, "accumulate_on", None) == "host" and torch.cuda.is_available():
+                raise ValueError("offload_cpu(accumulate_on='host') under hybrid sharding (mesh=) is not supported yet "
+                                 "where there is a GPU: the host sums are added by a worker thread the replicas' "
+                                 "average does not wait for; use accumulate_on='device'")
 
     def place(self, p: Placement, unit) -> Placement:
-        p = replace(p, opt=SHARDED)
+        p = replace(p, opt=SHARDED, replicate=dist.group_key(self.replicate))
         if self.stage >= 2:
             p = replace(p, grads=REDUCE_SCATTER)
         if self.stage == 3 and unit.trainable.numel + unit.frozen.numel >= self.persistence_threshold:
@@ -65,11 +80,12 @@ class Zero(Transform):
         return p
 
     def wrap_optimizer(self, optimizer):
-        return sharded_optimizer(optimizer)
+        return sharded_optimizer(optimizer, agree_over=None if self.replicate is not None else self.group)
 
 
-def sharded_optimizer(optimizer) -> Optimizer:
-    """``optimizer`` over this rank's slice of each unit; updated slices gathered back."""
+def sharded_optimizer(optimizer, agree_over=None) -> Optimizer:
+    """``optimizer`` over this rank's slice of each unit; updated slices gathered back. Whether an
+    update failed is agreed over ``agree_over`` (the step's agreement group: every rank of a mesh)."""
 
     def init(params):
         return optimizer.init(params.local())
@@ -80,10 +96,10 @@ def sharded_optimizer(optimizer) -> Optimizer:
             local, opt_state = apply_update(optimizer, grads.local(), opt_state, params.local(), **kw)
         except BaseException:
             if agree:
-                _agree_on_update(params, failed=True)
+                _agree_on_update(agree_over, failed=True)
             raise
         if agree:
-            _agree_on_update(params, failed=False)
+            _agree_on_update(agree_over, failed=False)
         return params.from_local(local), opt_state
 
     return Optimizer(init, update, fuses=True)
@@ -101,13 +117,12 @@ def _gathers(params) -> bool:
             and any(optimizer_slices(place, held) and not held for held, place in zip(params.spec.sharded, places)))
 
 
-def _agree_on_update(params, *, failed: bool) -> None:
+def _agree_on_update(group, *, failed: bool) -> None:
     """Before the all-gathers of the updated slices: one all-reduce of whether this rank's update
     failed. If any rank's did, no rank gathers (a rank whose update went through would otherwise
     gather a failed rank's half-updated slice into its parameters, and wait on gathers that rank
     never starts): each raises here, its own error on the failed rank, ``UpdateFailed`` on the
     others, and the step refuses the state on every rank from then on (``Step._finish``)."""
-    group = params.spec.process_group
     flag = torch.tensor([float(failed)], dtype=torch.float64, device=dist.device_of(group))
     dist.all_reduce_sum(flag, group)
     if flag.item() and not failed:
@@ -116,23 +131,33 @@ def _agree_on_update(params, *, failed: bool) -> None:
             "rank gathered the updated slices; that rank's error names the cause")
 
 
-def _zero(step: Step, stage: int, group, **kw) -> Step:
+def _zero(step: Step, stage: int, group, mesh=None, **kw) -> Step:
     expect_step(step, f"zero{stage}")
-    dist.group_key(group)  # remember the group under its key, for specs that name it
-    return step.then(Zero(stage, group, **kw))
+    replicate = None
+    if mesh is not None:
+        if group is not None:
+            raise ValueError(f"zero{stage}: give group= (flat sharding over one group) or mesh= (hybrid sharding), "
+                             "not both")
+        group, replicate = read_mesh(mesh, f"zero{stage}")
+    dist.group_key(group)  # remember the groups under their keys, for specs that name them
+    dist.group_key(replicate)
+    return step.then(Zero(stage, group, replicate=replicate, **kw))
 
 
-def zero1(step: Step, *, group=None) -> Step:
-    """Shard optimizer state across ``group`` (default: the whole world)."""
-    return _zero(step, 1, group)
+def zero1(step: Step, *, group=None, mesh=None) -> Step:
+    """Shard optimizer state across ``group`` (default: the whole world).
+
+    ``mesh``: hybrid sharding instead (module docstring): a 2-D ``DeviceMesh`` with dims
+    (replicate, shard), e.g. ``zf.dist.mesh()``; the same for zero2 and zero3."""
+    return _zero(step, 1, group, mesh)
 
 
-def zero2(step: Step, *, group=None) -> Step:
+def zero2(step: Step, *, group=None, mesh=None) -> Step:
     """Shard optimizer state and reduce-scatter gradients."""
-    return _zero(step, 2, group)
+    return _zero(step, 2, group, mesh)
 
 
-def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
+def zero3(step: Step, units=None, *, group=None, mesh=None, persistence_threshold: int = 0,
           prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
           max_reuse_distance: int | None = None, collective_timeout: float | None = None) -> Step:
     """Shard parameters too: each unit is gathered just before its module runs.
@@ -159,4 +184,4 @@ def zero3(step: Step, units=None, *, group=None, persistence_threshold: int = 0,
         step = set_units(step, units)
     prefetch = prefetch_settings(prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
                                  max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout)
-    return _zero(step, 3, group, persistence_threshold=persistence_threshold, prefetch=prefetch)
+    return _zero(step, 3, group, mesh, persistence_threshold=persistence_threshold, prefetch=prefetch)

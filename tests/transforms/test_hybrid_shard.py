@@ -1,0 +1,322 @@
+"""Hybrid sharding (zero1/2/3(mesh=...), FSDP2's HSDP, DeepSpeed's MiCS): sharded within each shard
+group, replicated across, gradients averaged over the replicas once a step. Equal to flat sharding at
+the same W and to plain PyTorch, its gradient norm counted once (not once per replica), and its
+checkpoints load flat and under other meshes, and back."""
+import math
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import zfunc as zf
+from cases import LR, micro_batches, reference, reference_mixed
+from models import batch, build, local, loss
+from test_zero_equivalence import assert_close_to
+from workers import workers
+
+MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
+
+
+def _mesh(layout):
+    """None (flat), ``("named", shard)`` (zf.dist.mesh), or ``("positional", replicas, shard)``
+    (a DeviceMesh without dim names: dim 0 replicates)."""
+    if layout is None:
+        return None
+    if layout[0] == "named":
+        return zf.dist.mesh(shard=layout[1])
+    return init_device_mesh("cpu", tuple(layout[1:]))
+
+
+def _step(model, stage, layout, micro=None, precision=None, offload=None, clip=None):
+    def loss_fn(params, b):
+        return loss("deep_mlp", zf.apply(model, params, b[0]), b[1])
+
+    opt = zf.optim.adamw(LR, weight_decay=0.01)
+    if clip is not None:
+        opt = zf.optim.chain(zf.optim.clip_by_global_norm(clip), opt)
+    step = zf.train_step(loss_fn, opt)
+    if micro is not None:
+        step = zf.accumulate(step, micro)
+    if precision is not None:
+        step = zf.mixed_precision(step, **precision)
+    if offload is not None:
+        kw = dict(offload)
+        step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
+    return {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step, mesh=_mesh(layout))
+
+
+def run_hybrid(layout, stage, steps=3, micro=None, precision=None, offload=None, clip=None, per_rank=4) -> dict:
+    """``steps`` steps of ``zeroN(...)`` flat or under the mesh ``layout`` on this rank's part of each
+    global batch; the full parameters, the losses and gradient norms."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, shape_model = build("deep_mlp", 0, **MLP), build("deep_mlp", 0, **MLP)
+    step = _step(model, stage, layout, micro, precision, offload, clip)
+    state = step.init(model)
+    history = []
+    for i in range(steps):
+        b = local(batch("deep_mlp", shape_model, i, per_rank * world), rank, world)
+        state, metrics = step(state, micro_batches(b, micro) if micro else b)
+        history.append({"loss": metrics["loss"].item(), "grad_norm": metrics["grad_norm"]})
+    evaluate = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](
+        zf.eval_step(lambda p, b: loss("deep_mlp", zf.apply(model, p, b[0]), b[1])), mesh=_mesh(layout))
+    eval_loss = evaluate(state, local(batch("deep_mlp", shape_model, steps, per_rank * world), rank, world))["loss"]
+    with state:
+        return {"params": zf.gather_params(state), "history": history, "composition": step.composition,
+                "shard": [t.numel() for t in state.params.leaves], "eval_loss": eval_loss.item()}
+
+
+def plain_grad_norm(world: int, per_rank: int = 4) -> float:
+    """Plain PyTorch's gradient norm on the first global batch."""
+    model = build("deep_mlp", 0, **MLP)
+    x, y = batch("deep_mlp", model, 0, per_rank * world)
+    loss("deep_mlp", model(x), y).backward()
+    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+
+
+def _check(layout, world, stage, **kw):
+    """Hybrid equals flat at the same W (parameters, losses, gradient norms) and plain PyTorch."""
+    hybrid = workers(world).run(run_hybrid, layout, stage, 3, kw.get("micro"), kw.get("precision"),
+                                kw.get("offload"), kw.get("clip"))
+    flat = workers(world).run(run_hybrid, None, stage, 3, kw.get("micro"), kw.get("precision"),
+                              kw.get("offload"), kw.get("clip"))
+    if kw.get("precision"):
+        expected = reference_mixed("deep_mlp", MLP, kw["precision"]["param_dtype"], steps=3, batch_size=4 * world,
+                                   clip=kw.get("clip"))
+        tol = dict(rtol=2e-2, atol=2e-2)  # bf16's rounding of the forward and backward
+    else:
+        expected = reference("deep_mlp", MLP, steps=3, batch_size=4 * world, clip=kw.get("clip"))
+        tol = None
+    for h, f in zip(hybrid, flat):
+        assert "mesh=" in h["composition"]
+        if tol is None:
+            assert_close_to(h["params"], expected["params"])
+        else:
+            for k, v in expected["params"].items():
+                torch.testing.assert_close(h["params"][k].float(), v, **tol)
+        for k in f["params"]:
+            torch.testing.assert_close(h["params"][k], f["params"][k], rtol=1e-5, atol=1e-6)
+        assert [x["loss"] for x in h["history"]] == pytest.approx([x["loss"] for x in f["history"]], rel=1e-5)
+        assert [x["grad_norm"] for x in h["history"]] == pytest.approx([x["grad_norm"] for x in f["history"]],
+                                                                       rel=1e-5)
+    if not kw.get("precision"):
+        assert hybrid[0]["history"][0]["grad_norm"] == pytest.approx(plain_grad_norm(world), rel=1e-5)
+    return hybrid
+
+
+def test_zero3_2x2_equals_pytorch():
+    """The fast case: W = 4 as 2 replicas of 2 shards, zero3, two steps, with clipping (a norm
+    counted once per replica would clip by sqrt(2) times the norm); the slow tests below add flat
+    sharding at the same W, every stage and composition."""
+    expected = reference("deep_mlp", MLP, steps=2, batch_size=16, clip=0.05)
+    hybrid = workers(4).run(run_hybrid, ("named", 2), 3, 2, None, None, None, 0.05)
+    for h in hybrid:
+        assert_close_to(h["params"], expected["params"])
+        assert [x["loss"] for x in h["history"]] == pytest.approx(expected["losses"], rel=1e-5)
+    assert hybrid[0]["history"][0]["grad_norm"] == pytest.approx(plain_grad_norm(4), rel=1e-5)
+    assert hybrid[0]["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)  # the mean over every rank
+    whole = sum(v.numel() for v in hybrid[0]["params"].values())
+    assert hybrid[0]["shard"] == hybrid[2]["shard"] and sum(hybrid[0]["shard"]) <= whole * 0.6  # halves, twice
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", [(4, ("positional", 2, 2)), (6, ("named", 3)), (6, ("named", 2))])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stages_equal_flat_and_pytorch(stage, world, layout):
+    """W = 4 (2 x 2, a mesh without dim names: dim 0 replicates) and W = 6 (2 x 3, 3 x 2), each stage."""
+    _check(layout, world, stage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", [(4, ("named", 2)), (6, ("named", 3)), (6, ("named", 2))])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accumulate_and_clipping(stage, world, layout):
+    """Micro-batches summed in the shard group, the sum averaged over the replicas once, after the
+    last micro-batch's shard is added (PyTorch #125484's trap); clipped by the norm counted once."""
+    _check(layout, world, stage, micro=2, clip=0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_with_accumulate(stage):
+    """bf16 compute, fp32 reduction and master weights: equal to flat to fp32's rounding, to plain
+    PyTorch's mixed precision within bf16's."""
+    _check(("named", 2), 4, stage, micro=2, precision={"param_dtype": torch.bfloat16})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout", [(4, ("named", 2)), (6, ("named", 3))])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_cpu(stage, world, layout):
+    """The update in host memory (where MiCS refuses CPU offload), with accumulation and clipping."""
+    _check(layout, world, stage, micro=2, clip=0.05, offload={"kind": "cpu"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_cpu_sums_in_host_memory(stage):
+    """accumulate_on='host': the shard group's sums live in host memory; the replicas' average of
+    the whole sum comes after the last micro-batch's add."""
+    _check(("named", 2), 4, stage, micro=2, clip=0.05, offload={"kind": "cpu", "accumulate_on": "host"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_nvme(stage, tmp_path):
+    """Gradients, their sums and the optimizer state in swap files: the replicas' average happens
+    before a sum is written (with its norm) to its file."""
+    _check(("named", 2), 4, stage, micro=2, clip=0.05, offload={"kind": "nvme", "path": str(tmp_path),
+                                                               "params": stage == 3})
+
+
+# ------------------------------------------------------------------ checkpoints across layouts
+
+GLOBAL = 12  # the global batch at every W (2, 4 and 6 divide it), so runs at different W see the same data
+
+
+def save_then_go_on(layout, stage, directory, steps=2) -> dict:
+    """``steps`` steps, a checkpoint, one step more; the parameters at the save and after."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, shape_model = build("deep_mlp", 0, **MLP), build("deep_mlp", 0, **MLP)
+    step = _step(model, stage, layout)
+    state = step.init(model)
+    for i in range(steps):
+        state, _ = step(state, local(batch("deep_mlp", shape_model, i, GLOBAL), rank, world))
+    folder = zf.checkpoint.save(state, directory, "t")
+    saved = zf.gather_params(state)
+    state, _ = step(state, local(batch("deep_mlp", shape_model, steps, GLOBAL), rank, world))
+    return {"saved": saved, "after": zf.gather_params(state), "folder": folder}
+
+
+def load_then_go_on(layout, stage, directory, steps=2) -> dict:
+    """A fresh state loaded from the checkpoint, then the step after the save."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, shape_model = build("deep_mlp", 1, **MLP), build("deep_mlp", 0, **MLP)  # other initial values
+    step = _step(model, stage, layout)
+    state, manifest = zf.checkpoint.load(step.init(model), directory, "t")
+    loaded = zf.gather_params(state)
+    state, _ = step(state, local(batch("deep_mlp", shape_model, steps, GLOBAL), rank, world))
+    return {"loaded": loaded, "after": zf.gather_params(state), "count": int(state.count)}
+
+
+def _exactly(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _continues(got: dict, expected: dict, where="") -> None:
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} {k}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_saved_under_a_mesh_loads_anywhere(stage, tmp_path):
+    """Saved under 2 x 2 (only the first replica's ranks write, one file per shard rank): loaded flat
+    at W = 4 and W = 2, under the same mesh and a 3 x 2 one at W = 6, exactly, and each goes on
+    as the saved run did."""
+    saved = workers(4).run(save_then_go_on, ("named", 2), stage, str(tmp_path))
+    folder = saved[0]["folder"]
+    import os
+    assert sorted(f for f in os.listdir(folder) if f.endswith(".bin")) == ["rank0.bin", "rank1.bin"]
+    for world, layout in ((4, ("named", 2)), (4, None), (2, None), (6, ("named", 2))):
+        for r in workers(world).run(load_then_go_on, layout, stage, str(tmp_path)):
+            _exactly(r["loaded"], saved[0]["saved"])
+            assert r["count"] == 3
+            _continues(r["after"], saved[0]["after"], f"W = {world}, {layout}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_flat_checkpoint_loads_under_meshes_and_back(stage, tmp_path):
+    """Saved flat at W = 4, loaded under 2 x 2 and under 2 x 3 (W = 6) exactly; saved again under
+    2 x 3, loaded flat at W = 2 exactly."""
+    flat = workers(4).run(save_then_go_on, None, stage, str(tmp_path / "flat"))
+    for world, layout in ((4, ("named", 2)), (6, ("named", 3))):
+        for r in workers(world).run(load_then_go_on, layout, stage, str(tmp_path / "flat")):
+            _exactly(r["loaded"], flat[0]["saved"])
+            _continues(r["after"], flat[0]["after"])
+    meshed = workers(6).run(save_then_go_on, ("named", 3), stage, str(tmp_path / "mesh"))
+    for r in workers(2).run(load_then_go_on, None, stage, str(tmp_path / "mesh")):
+        _exactly(r["loaded"], meshed[0]["saved"])
+        _continues(r["after"], meshed[0]["after"])
+
+
+# ------------------------------------------------------------------ DeepSpeed's MiCS keys
+
+
+def test_mics_keys_are_read_not_refused():
+    """``mics_shard_size`` is hybrid sharding's shard size; ``mics_hierarchical_params_gather`` is
+    accepted (it only routes MiCS's gathers); nonsense values are named."""
+    from zfunc.engine import config as zc
+
+    base = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    c = zc.parse({**base, "zero_optimization": {"stage": 3, "mics_shard_size": 2,
+                                                "mics_hierarchical_params_gather": True}}, 4)
+    assert (c.zero.mics_shard_size, c.zero.mics_hierarchical_params_gather, c.ignored) == (2, True, ())
+    with pytest.raises(ValueError, match="mics_shard_size is 0"):
+        zc.parse({**base, "zero_optimization": {"stage": 3, "mics_shard_size": 0}}, 4)
+    with pytest.raises(ValueError, match="needs a ZeRO stage"):
+        zc.parse({**base, "zero_optimization": {"stage": 0, "mics_shard_size": 2}}, 4)
+
+
+def engine_run(stage: int, mics: int, gas: int) -> dict:
+    """``zf.initialize`` with ``mics_shard_size`` (-1: off), two steps of ``gas`` micro-batches."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, shape_model = build("deep_mlp", 0, **MLP), build("deep_mlp", 0, **MLP)
+    config = {"train_batch_size": 4 * world, "gradient_accumulation_steps": gas, "gradient_clipping": 0.05,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": stage, "mics_shard_size": mics, "stage3_param_persistence_threshold": 0}}
+    engine = zf.initialize(model, config, loss_fn=lambda run, b: loss("deep_mlp", run(b[0]), b[1]))
+    losses = []
+    for i in range(2):
+        b = local(batch("deep_mlp", shape_model, i, 4 * world), rank, world)
+        losses.append(float(engine.train_batch(iter(micro_batches(b, gas)))))
+    out = {"params": zf.gather_params(engine.state), "losses": losses, "composition": engine.step_fn.composition}
+    engine.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_initialize_maps_mics_shard_size_onto_a_mesh(stage):
+    """At W = 4, ``mics_shard_size: 2`` trains as flat sharding does (with accumulation and clipping)."""
+    hybrid = workers(4).run(engine_run, stage, 2, 2)
+    flat = workers(4).run(engine_run, stage, -1, 2)
+    for h, f in zip(hybrid, flat):
+        assert "mesh=2x2" in h["composition"] and "mesh=" not in f["composition"]
+        assert h["losses"] == pytest.approx(f["losses"], rel=1e-5)
+        for k in f["params"]:
+            torch.testing.assert_close(h["params"][k], f["params"][k], rtol=1e-5, atol=1e-6)
+
+
+def refusals() -> list:
+    """What ``mesh=`` refuses, each with the error's text (W = 4)."""
+    def loss_fn(p, b):
+        return p["w"].sum()
+
+    base = zf.train_step(loss_fn, zf.optim.adamw(LR))
+    out = []
+    for make in (lambda: zf.zero3(base, mesh=init_device_mesh("cpu", (4,))),
+                 lambda: zf.zero3(base, mesh=zf.dist.mesh(shard=1)),
+                 lambda: zf.zero2(base, mesh=zf.dist.mesh(shard=2), group=zf.dist.new_group([0, 1])),
+                 lambda: zf.zero3(base, mesh="2x2"),
+                 lambda: zf.jit(zf.zero3(base, mesh=zf.dist.mesh(shard=2))),
+                 lambda: zf.dist.mesh(shard=3)):
+        try:
+            make()
+            out.append(None)
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.slow
+def test_bad_meshes_are_named():
+    for r in workers(4).run(refusals):
+        assert "1 dim(s)" in r[0]
+        assert "shard dim has 1 rank" in r[1]
+        assert "not both" in r[2]
+        assert "DeviceMesh" in r[3]
+        assert "zf.jit of a hybrid-sharded step" in r[4]
+        assert "divides the world size, 4" in r[5]
