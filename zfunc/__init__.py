@@ -22,6 +22,7 @@ from .coordinator import OrderChangedWarning, RankUnresponsiveError, RanksDiverg
 from .checkpoint import iter_weights
 from .engine import Engine, RepeatingLoader
 from .engine import config as _configuration
+from .estimate import estimate
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, bind, grad, value_and_grad
 from .placement import Placement
@@ -36,7 +37,7 @@ from .transforms import (LossScaler, accumulate, jit, mixed_precision, offload_c
 from .tree import Params, UpdateFailed, compile_units
 
 __all__ = [
-    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "compile_units", "dist", "eval_step",
+    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "compile_units", "dist", "estimate", "eval_step",
     "gather_params", "grad", "iter_weights", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "offload_states", "OffloadedState", "StateOffloaded", "reload_states", "optim", "pipeline", "plan_offload", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

@@ -1,0 +1,65 @@
+"""The machines a run is estimated on: N nodes of G devices, their links and rates, as plain data."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's alpha-beta model: ``bandwidth`` bytes/s each rank moves through it (a ring's bus
+    bandwidth, as nccl-tests' busbw reports it) and ``latency`` seconds each ring hop adds."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self):
+        if not self.bandwidth > 0 or not self.latency >= 0:
+            raise ValueError(f"Link: bandwidth must be > 0 bytes/s and latency >= 0 s, got {self}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``per_node`` ranks. ``intra``: the link between a node's devices (NVLink; here,
+    shared memory); ``inter``: each rank's share of the network between nodes. ``flops``: a device's
+    sustained rate on the model's matrix products (FLOP/s); ``memory_rate``: bytes/s the optimizer's
+    update streams through (the memory its state lives in). ``accelerator``: whether the devices
+    are accelerators (else host memory is the device's, as ``memory_report`` counts it).
+    ``backend``: ``"nccl"`` or ``"gloo"`` (which issues a gradient's reduce-scatter as an all-reduce of
+    the whole buffer: zfunc.dist's ``reduce_scatter_mean_start``, about twice as fast there)."""
+
+    nodes: int
+    per_node: int
+    intra: Link
+    inter: Link | None = None
+    flops: float = 1e12
+    memory_rate: float = 1e10
+    accelerator: bool = True
+    backend: str = "nccl"
+
+    def __post_init__(self):
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"Cluster.backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        for name in ("nodes", "per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Cluster.{name} must be a positive int, got {value!r}")
+        if self.nodes > 1 and self.inter is None:
+            raise ValueError(f"Cluster: {self.nodes} nodes need the link between them (inter=Link(bandwidth, "
+                             "latency)), or measure it (zfunc.estimate.probes)")
+        if not self.flops > 0 or not self.memory_rate > 0:
+            raise ValueError(f"Cluster: flops and memory_rate must be > 0, got {self.flops}, {self.memory_rate}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    def link(self, label: str) -> Link:
+        """The link a group's ring is bound by: ``"shard"`` stays in a node; ``"replicate"`` crosses
+        nodes; ``"world"`` (flat) crosses them once there is more than one node."""
+        if label == "shard" or (label == "world" and self.nodes == 1):
+            return self.intra
+        return self.inter
+
+    def group_size(self, label: str, hybrid: bool) -> int:
+        return {"world": self.world, "shard": self.per_node if hybrid else self.world,
+                "replicate": self.nodes}[label]
