@@ -79,8 +79,10 @@ def delayed_optimizer(host: Optimizer, host_state_type, pin: bool, delay_after: 
         if exact:  # the host copy updated and copied into the forward's buffers, as without delay
             out, state = host.update(grads, host_state_type(ahead, opt_state.inner.inner), params, **kw)
             return out, DelayedState(state.params, updates, host_state_type(None, state.inner))
-        _land(params, ahead, pin)
+        landed = _land(params, ahead, pin)
+        down = _device_bytes(grads.leaves_in_flight if isinstance(grads, Params) else [])
         ahead, state = host.update(grads, host_state_type(None, opt_state.inner.inner), ahead, **kw)
+        record["pcie_bytes"] = record.get("pcie_bytes", 0) + landed + down  # the roofline's traffic
         fault = getattr(ahead, "fault", None)  # the update behind the next forward: its failure refuses
         out = params if fault is None else params.waiting_for({}, fault)
         return out, DelayedState(ahead, updates, host_state_type(None, state.inner))
@@ -104,15 +106,22 @@ def check_delay(delay, delay_after, params: bool, split: bool) -> None:
                          "(plan=/ratio=/budget=) would update at once: drop those, or delay=")
 
 
-def _land(params: Params, ahead: Params, pin: bool) -> None:
-    """The pending update into the forward's buffers, complete before anything writes ``ahead``."""
-    copied = False
+def _land(params: Params, ahead: Params, pin: bool) -> int:
+    """The pending update into the forward's buffers, complete before anything writes ``ahead``;
+    the bytes copied to a device."""
+    sent = []
     for dst, src in zip(params.leaves, ahead.leaves):
         if dst is not None and src is not None and dst is not src:
             dst.copy_(src, non_blocking=pin and dst.device.type != "cpu")
-            copied |= dst.device.type != "cpu"
+            sent.append(dst)
+    copied = _device_bytes(sent)
     if copied and torch.cuda.is_available():
         torch.cuda.current_stream().synchronize()  # the update about to start writes ``ahead`` in place
+    return copied
+
+
+def _device_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.device.type != "cpu")
 
 
 def _fresh_copies(params: Params) -> Params:
