@@ -67,6 +67,8 @@ def build(composition: str):
     n = next((int(p[3:]) for p in parts if p.startswith("acc")), 1)
     if n > 1:
         step = zf.accumulate(step, n)
+    if "cpu" in parts:
+        step = zf.offload_cpu(step, pin_memory=False)
     stage = parts[0]
     if stage != "replicated":
         step = getattr(zf, stage)(step)
@@ -128,7 +130,7 @@ def check(results: list[list[dict]], composition: str, w: int) -> None:
 
 
 FAST = ["zero3", "zero2", "zero1", "replicated"]
-SLOW = ["zero3+acc2", "zero2+acc3", "zero1+acc2", "replicated+acc2", "zero3+bf16", "zero3+bf16reduce",
+SLOW = ["zero3+cpu", "zero2+cpu+acc2", "zero3+acc2", "zero2+acc3", "zero1+acc2", "replicated+acc2", "zero3+bf16", "zero3+bf16reduce",
         "zero2+bf16", "zero3+bf16+acc2"]
 
 
