@@ -45,7 +45,7 @@ def _train(out: str, layout: str) -> None:
         losses.append(metrics["loss"].item())
     params = zf.gather_params(state)
     if rank == 0:
-        torch.save({"params": params, "losses": losses, "world": world}, out)
+        torch.save({"params": params, "losses": losses, "world": world, "comm": metrics["comm"]}, out)
     zf.dist.shutdown()
 
 
@@ -80,27 +80,41 @@ def _two_agents(script_and_args: list[str], per_node: int, timeout: int = 420) -
     return outputs
 
 
-def _single_process_reference() -> dict:
+def _single_process_reference(world: int) -> dict:
     sys.path.insert(0, HARNESS)
     from cases import reference
 
-    return reference(MODEL, {}, steps=STEPS, batch_size=PER_RANK * 2)
+    return reference(MODEL, {}, steps=STEPS, batch_size=PER_RANK * world)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["flat"])
-def test_two_agents_train_as_one_process(tmp_path, layout):
-    """2 nodes x 1 rank: torchrun's two agents rendezvous over c10d; ZeRO-3 over both ranks (flat), or
-    under ``zf.dist.mesh()`` (2 x 1: each node its own shard group, replicated across the two), equals
-    plain PyTorch AdamW on the global batch in one process (fp32, 1e-5), and the losses the same."""
+@pytest.mark.parametrize("layout,per_node", [("flat", 1), ("mesh", 2)])
+def test_two_agents_train_as_one_process(tmp_path, layout, per_node):
+    """torchrun's two agents rendezvous over c10d as two nodes: ZeRO-3 over both nodes' ranks (flat,
+    2 x 1), or under the mesh ``zf.dist.mesh()`` builds from torchrun's environment (2 x 2: each
+    node's two ranks one shard group, the two nodes replicas), equals plain PyTorch AdamW on the
+    global batch in one process (fp32, 1e-5), and the losses the same."""
     out = str(tmp_path / "rank0.pt")
-    _two_agents([os.path.abspath(__file__), out, layout], per_node=1)
+    _two_agents([os.path.abspath(__file__), out, layout], per_node=per_node)
     got = torch.load(out)
-    want = _single_process_reference()
-    assert got["world"] == 2
+    want = _single_process_reference(2 * per_node)
+    assert got["world"] == 2 * per_node
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-5, abs=1e-6)
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    # the last step's collectives are those zf.estimate predicts for this layout (gloo's), by mesh dim
+    sys.path.insert(0, HARNESS)
+    import zfunc as zf
+    from models import build
+    from zfunc.estimate import Cluster, Composition, Link
+
+    cluster = Cluster(2, per_node, Link(1e9), Link(1e9), backend="gloo")
+    predicted = zf.estimate(build(MODEL), Composition(stage=3, hybrid=layout == "mesh"), cluster).comm
+    data = {label: {k: v for k, v in kinds.items() if k not in ("agreement", "barrier")}
+            for label, kinds in got["comm"].items()}
+    assert {label: kinds for label, kinds in data.items() if kinds} == predicted
+    if layout == "mesh":  # nothing gathered across nodes: one all-reduce of each gradient shard a step
+        assert set(predicted["replicate"]) == {"all_reduce"} and "all_gather" in predicted["shard"]
 
 
 @pytest.mark.slow
