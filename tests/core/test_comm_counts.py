@@ -318,3 +318,35 @@ def test_the_pipeline_counts_its_activations_and_gradients_point_to_point():
                     for kind in ("send", "recv")}
             assert got == want, (r["stage"], i, comm)
             assert set(comm) == {"world"}, comm
+
+
+def run_eval(stage: str) -> list[dict]:
+    """``metrics["comm"]`` of an eval step composed like ``stage``'s train step, on its state."""
+    model, step, _ = build(stage)
+    state = step.init(model)
+    evaluate = getattr(zf, stage)(zf.eval_step(lambda params, b: F.mse_loss(zf.apply(model, params, b[0]), b[1])))
+    g = torch.Generator().manual_seed(zf.dist.rank())
+    return [evaluate(state, (torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)))["comm"]
+            for _ in range(STEPS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3])
+def test_an_eval_step_counts_its_forward_gathers(w):
+    """zero3's eval step gathers each unit once (no backward), broadcasts the buffer, reduces nothing."""
+    root, blocks = unit_numels()
+    full = sum(math.ceil(u / w) * w for u in (root, *blocks))
+    want = {"all_gather": {"calls": 1 + len(blocks), "bytes": 4 * full}, "broadcast": {"calls": 1, "bytes": 24}}
+    for rank, steps in enumerate(workers(w).run(run_eval, "zero3")):
+        for comm in steps:
+            got = dict(comm["world"])
+            assert got.pop("agreement")["calls"] >= 1, comm
+            assert got == want, (rank, comm)
+
+
+def test_alone_a_step_issues_nothing():
+    """W = 1 (no process group in this process): no collective, an empty count."""
+    model, step, _ = build("zero3")
+    state = step.init(model)
+    _, metrics = step(state, (torch.randn(4, 3), torch.randn(4, 2)))
+    assert metrics["comm"] == {}
