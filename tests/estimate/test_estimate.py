@@ -40,22 +40,27 @@ def _composition(key: str) -> Composition:
     return Composition(stage=stage, dtype=dtype, offload=offload, accumulate=micro, persistence_threshold=threshold)
 
 
-def _step(key: str, model, name: str, swap: str | None):
+def _step(key: str, model, name: str, swap: str | None, mesh=None):
     stage, dtype, offload, micro, threshold = COMPOSITIONS[key]
     kw = None if offload is None else {"kind": offload, **({"path": swap} if offload == "nvme" else {})}
-    return compose(stage or None, _setup_loss(name, model), threshold=threshold,
-                   precision=None if dtype is None else {"dtype": dtype}, offload=kw,
-                   micro=micro if micro > 1 else None)
+    inner = compose(stage if mesh is None else None, _setup_loss(name, model), threshold=threshold,
+                    precision=None if dtype is None else {"dtype": dtype}, offload=kw,
+                    micro=micro if micro > 1 else None)
+    if mesh is None:
+        return inner
+    extra = {"persistence_threshold": threshold} if stage == 3 else {}
+    return {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](inner, mesh=mesh, **extra)
 
 
-def measured(name: str, keys: list, swap: str, steps: int = 2) -> dict:
+def measured(name: str, keys: list, swap: str, steps: int = 2, shard: int | None = None) -> dict:
     """On each rank: for each composition, ``memory_report`` of the state after ``steps`` steps and
-    the last step's ``metrics["comm"]``."""
+    the last step's ``metrics["comm"]``. ``shard``: hybrid sharding over ``zf.dist.mesh(shard=)``."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
+    mesh = None if shard is None else zf.dist.mesh(shard=shard)
     out = {}
     for key in keys:
         model, twin = build(name), build(name)
-        step = _step(key, model, name, os.path.join(swap, f"{key}-{rank}"))
+        step = _step(key, model, name, os.path.join(swap, f"{key}-{rank}"), mesh)
         micro = COMPOSITIONS[key][3]
         with step.init(model) as state:
             for i in range(steps):
@@ -73,14 +78,18 @@ def _data(comm_counts: dict) -> dict:
     return {label: kinds for label, kinds in out.items() if kinds}
 
 
-def _check(name: str, key: str, got: dict, world: int) -> None:
-    shape = model_shape(build(name), shard_size=world)
-    want = memory(shape, _composition(key), world, accelerator=False)
+def _check(name: str, key: str, got: dict, world: int, shard: int | None = None) -> None:
+    comp = _composition(key)
+    nodes, per_node = (1, world) if shard is None else (world // shard, shard)
+    if shard is not None:
+        comp = Composition(**{**comp.__dict__, "hybrid": True})
+    shape = model_shape(build(name), shard_size=per_node)
+    want = memory(shape, comp, per_node, accelerator=False)
     assert {k: got["memory"][k] for k in PARTS} == {k: want[k] for k in PARTS}, (name, key)
     for home in ("device", "disk"):
         assert got["memory"]["by_home"][home] == want["by_home"][home], (name, key, home)
     if world > 1:
-        assert _data(got["comm"]) == comm(collectives(shape, _composition(key), 1, world, "gloo")), (name, key)
+        assert _data(got["comm"]) == comm(collectives(shape, comp, nodes, per_node, "gloo")), (name, key)
 
 
 def keys_for(name: str) -> list:
@@ -116,6 +125,18 @@ def test_memory_and_comm_every_composition(name, world, tmp_path):
     for rank_got in got if world > 1 else [got]:
         for key in keys_for(name):
             _check(name, key, rank_got[key], world)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "odd_mlp"])
+def test_memory_and_comm_under_a_mesh(name, tmp_path):
+    """Hybrid sharding at W = 4 as 2 x 2 (``zf.dist.mesh(shard=2)``): the state sharded over 2, and
+    the collectives on each mesh dim ("shard", "replicate", the buffers' and flags' "world")."""
+    keys = [k for k in COMPOSITIONS if COMPOSITIONS[k][0] > 0]
+    got = workers(4).run(measured, name, keys, str(tmp_path), 2, 2)
+    for rank_got in got:
+        for key in keys:
+            _check(name, key, rank_got[key], 4, shard=2)
 
 
 class Wide(nn.Module):
