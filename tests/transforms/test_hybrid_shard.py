@@ -57,12 +57,15 @@ def run_hybrid(layout, stage, steps=3, micro=None, precision=None, offload=None,
         b = local(batch("deep_mlp", shape_model, i, per_rank * world), rank, world)
         state, metrics = step(state, micro_batches(b, micro) if micro else b)
         history.append({"loss": metrics["loss"].item(), "grad_norm": metrics["grad_norm"]})
-    evaluate = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](
-        zf.eval_step(lambda p, b: loss("deep_mlp", zf.apply(model, p, b[0]), b[1])), mesh=_mesh(layout))
-    eval_loss = evaluate(state, local(batch("deep_mlp", shape_model, steps, per_rank * world), rank, world))["loss"]
+    eval_loss = None
+    if precision is None and offload is None:  # an eval step composed as the train step: the mean over every rank
+        evaluate = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](
+            zf.eval_step(lambda p, b: loss("deep_mlp", zf.apply(model, p, b[0]), b[1])), mesh=_mesh(layout))
+        b = local(batch("deep_mlp", shape_model, steps, per_rank * world), rank, world)
+        eval_loss = evaluate(state, b)["loss"].item()
     with state:
         return {"params": zf.gather_params(state), "history": history, "composition": step.composition,
-                "shard": [t.numel() for t in state.params.leaves], "eval_loss": eval_loss.item()}
+                "shard": [t.numel() for t in state.params.leaves], "eval_loss": eval_loss}
 
 
 def plain_grad_norm(world: int, per_rank: int = 4) -> float:
@@ -80,7 +83,7 @@ def _check(layout, world, stage, **kw):
     flat = workers(world).run(run_hybrid, None, stage, 3, kw.get("micro"), kw.get("precision"),
                               kw.get("offload"), kw.get("clip"))
     if kw.get("precision"):
-        expected = reference_mixed("deep_mlp", MLP, kw["precision"]["param_dtype"], steps=3, batch_size=4 * world,
+        expected = reference_mixed("deep_mlp", MLP, kw["precision"]["dtype"], steps=3, batch_size=4 * world,
                                    clip=kw.get("clip"))
         tol = dict(rtol=2e-2, atol=2e-2)  # bf16's rounding of the forward and backward
     else:
@@ -98,6 +101,7 @@ def _check(layout, world, stage, **kw):
         assert [x["loss"] for x in h["history"]] == pytest.approx([x["loss"] for x in f["history"]], rel=1e-5)
         assert [x["grad_norm"] for x in h["history"]] == pytest.approx([x["grad_norm"] for x in f["history"]],
                                                                        rel=1e-5)
+        assert h["eval_loss"] == pytest.approx(f["eval_loss"], rel=1e-5)
     if not kw.get("precision"):
         assert hybrid[0]["history"][0]["grad_norm"] == pytest.approx(plain_grad_norm(world), rel=1e-5)
     return hybrid
@@ -140,7 +144,7 @@ def test_accumulate_and_clipping(stage, world, layout):
 def test_bf16_with_accumulate(stage):
     """bf16 compute, fp32 reduction and master weights: equal to flat to fp32's rounding, to plain
     PyTorch's mixed precision within bf16's."""
-    _check(("named", 2), 4, stage, micro=2, precision={"param_dtype": torch.bfloat16})
+    _check(("named", 2), 4, stage, micro=2, precision={"dtype": torch.bfloat16})
 
 
 @pytest.mark.slow
@@ -320,3 +324,69 @@ def test_bad_meshes_are_named():
         assert "DeviceMesh" in r[3]
         assert "zf.jit of a hybrid-sharded step" in r[4]
         assert "divides the world size, 4" in r[5]
+
+
+# ------------------------------------------------------------------ divergence under a mesh
+
+
+def diverge_under_a_mesh(skip_rank: int, timeout: float) -> dict:
+    """A residual MLP under zero3 over a 2 x 2 mesh whose rank ``skip_rank`` skips a block at step 0."""
+    import time
+
+    from cases import _setup
+
+    rank, world, model, shape_model, loss_fn = _setup("skipping", {"depth": 4}, 0)
+    step = zf.zero3(zf.train_step(loss_fn, zf.optim.adamw(LR)), mesh=zf.dist.mesh(shard=2),
+                    collective_timeout=timeout)
+    state = step.init(model)
+    model.skip = 1 if rank == skip_rank else None
+    start = time.monotonic()
+    try:
+        step(state, local(batch("skipping", shape_model, 0, 2 * world), rank, world))
+    except zf.RanksDivergedError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_divergence_in_one_shard_group_is_named_on_every_rank():
+    """Rank 3 (the second shard group) runs another block: the ranks of the other shard group, whose
+    gathers agree, raise too, each naming every rank's unit where the orders differ."""
+    timeout = 3.0
+    try:
+        results = workers(4).run(diverge_under_a_mesh, 3, timeout)
+    finally:
+        workers(4).restart()  # a timed-out collective leaves the process group unusable
+    for r in results:
+        assert r["error"] is not None and "ranks materialized different units" in r["error"], r
+        for other in range(4):
+            assert f"rank {other}: " in r["error"]
+        assert r["seconds"] < 4 * timeout, r
+
+
+# ------------------------------------------------------------------ what crosses the replicate dim
+
+
+def replicate_traffic(stage: int, micro: int) -> dict:
+    """Two steps of ``zeroN(accumulate(f, micro), mesh=2 x 2)``; the second's ``metrics["comm"]``, the
+    units and this rank's gradient shard bytes."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, shape_model = build("deep_mlp", 0, **MLP), build("deep_mlp", 0, **MLP)
+    step = _step(model, stage, ("named", 2), micro=micro)
+    state = step.init(model)
+    for i in range(2):
+        b = local(batch("deep_mlp", shape_model, i, 4 * world), rank, world)
+        state, metrics = step(state, micro_batches(b, micro))
+    return {"comm": metrics["comm"], "units": len(state.params.spec.model.units), "grad_bytes": metrics["grad_bytes"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_replicas_average_once_a_step(stage):
+    """Under accumulate(3): one all-reduce per unit per step on the replicate dim, of the fp32 sum in
+    its home form (a shard under zero3, the whole gradient under zero1), none per micro-batch; no
+    gather crosses it."""
+    for r in workers(4).run(replicate_traffic, stage, 3):
+        assert set(r["comm"]["replicate"]) == {"all_reduce"}, r["comm"]
+        assert r["comm"]["replicate"]["all_reduce"] == {"calls": r["units"], "bytes": r["grad_bytes"]}, r
+        assert "all_gather" in r["comm"]["shard"] or stage == 1
