@@ -390,3 +390,37 @@ def test_replicas_average_once_a_step(stage):
         assert set(r["comm"]["replicate"]) == {"all_reduce"}, r["comm"]
         assert r["comm"]["replicate"]["all_reduce"] == {"calls": r["units"], "bytes": r["grad_bytes"]}, r
         assert "all_gather" in r["comm"]["shard"] or stage == 1
+
+
+def mesh_groups() -> dict:
+    """The shard and replicate groups' ranks a step reads from meshes laid out three ways (W = 4)."""
+    import os
+
+    import torch.distributed as tdist
+
+    def base(p, b):
+        return p["w"].sum()
+
+    def groups(mesh):
+        step = zf.zero3(zf.train_step(base, zf.optim.adamw(LR)), mesh=mesh)
+        return tdist.get_process_group_ranks(step.group), tdist.get_process_group_ranks(step.replicate)
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it on 2 nodes of 2 ranks
+    try:
+        from_env = groups(zf.dist.mesh())
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    return {"env": from_env, "reversed": groups(init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))),
+            "positional": groups(init_device_mesh("cpu", (2, 2)))}
+
+
+@pytest.mark.slow
+def test_mesh_layouts():
+    """zf.dist.mesh() shards over LOCAL_WORLD_SIZE consecutive ranks (a node's); dim names are read in
+    either order; a mesh without names replicates over dim 0, as FSDP2's."""
+    for rank, r in enumerate(workers(4).run(mesh_groups)):
+        node = [rank // 2 * 2, rank // 2 * 2 + 1]
+        peers = [rank % 2, rank % 2 + 2]
+        assert r["env"] == (node, peers)
+        assert r["positional"] == (node, peers)
+        assert r["reversed"] == (peers, node)  # dim 0 is the shard dim here
