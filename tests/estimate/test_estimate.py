@@ -202,7 +202,8 @@ def test_step_time_against_gloo_here(stage):
 def test_a_module_on_the_meta_device_and_the_links_per_mesh_dim():
     """A meta-device model costs nothing to read; under hybrid sharding on 2 nodes x 4 the gathers and
     reduce-scatters stay on the node's link, and one all-reduce of each gradient shard a step crosses
-    nodes: (R-1)/R * 2 of a shard's bytes per rank, on the inter-node link."""
+    nodes: (R-1)/R * 2 of a shard's bytes per rank, on a quarter of the node's network each (the four
+    replicate groups reduce at once)."""
     with torch.device("meta"):
         model = Wide(width=64, depth=3)
     cluster = Cluster(2, 4, Link(100e9, 1e-6), Link(10e9, 5e-6), flops=1e12, memory_rate=1e11)
@@ -218,6 +219,7 @@ def test_a_module_on_the_meta_device_and_the_links_per_mesh_dim():
     assert est.comm["shard"]["all_gather"] == {"calls": 2 * 4, "bytes": 2 * (sum(padded) + padded[1]) * 4}
     assert est.links["shard"]["link"] == "intra" and est.links["replicate"]["link"] == "inter"
     assert est.links["replicate"]["wire_bytes"] == pytest.approx(sum(p // 4 * 4 for p in padded) * 2 * (2 - 1) / 2)
+    assert cluster.link("replicate").bandwidth == 10e9 / 4 and cluster.link("world").bandwidth == 10e9
     assert est.memory["param_bytes"] == sum(p // 4 * 4 for p in padded)  # sharded over a node's 4, not 8
     assert est.time["step"] >= est.time["compute"] > 0
     flat = zf.estimate(model, Composition(stage=3, accumulate=2), cluster)

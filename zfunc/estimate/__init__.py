@@ -63,7 +63,7 @@ def _links(events: list[Collective], comp: Composition, cluster: Cluster) -> dic
     for e in events:
         ranks = cluster.group_size(e.label, comp.hybrid)
         link = cluster.link(e.label)
-        entry = out.setdefault(e.label, {"link": "intra" if link is cluster.intra else "inter", "ranks": ranks,
+        entry = out.setdefault(e.label, {"link": "inter" if cluster.crosses_nodes(e.label) else "intra", "ranks": ranks,
                                          "wire_bytes": 0.0, "seconds": 0.0})
         entry["wire_bytes"] += e.calls * wire_bytes(e.kind, e.nbytes, ranks)
         entry["seconds"] += e.calls * seconds(e.kind, e.nbytes, ranks, link)

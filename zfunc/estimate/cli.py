@@ -30,7 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--per-node", type=int, default=None, help="ranks per node (default: this process group's)")
     p.add_argument("--hybrid", action="store_true", help="shard within a node, replicate across nodes")
     for link in ("intra", "inter"):
-        p.add_argument(f"--{link}-bandwidth", type=float, default=None, help=f"{link}-node bytes/s per rank")
+        p.add_argument(f"--{link}-bandwidth", type=float, default=None,
+                       help="a node's collective bus bandwidth, bytes/s" if link == "intra" else
+                       "a node's whole network bandwidth (all its NICs), bytes/s")
         p.add_argument(f"--{link}-latency", type=float, default=5e-6, help=f"{link}-node seconds per ring hop")
     p.add_argument("--flops", type=float, default=None, help="a device's FLOP/s (default: measured here)")
     p.add_argument("--memory-rate", type=float, default=None, help="bytes/s of the update (default: measured)")

@@ -19,8 +19,10 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """``nodes`` x ``per_node`` ranks. ``intra``: the link between a node's devices (NVLink; here,
-    shared memory); ``inter``: each rank's share of the network between nodes. ``flops``: a device's
+    """``nodes`` x ``per_node`` ranks. ``intra``: the bus bandwidth of a collective among a node's
+    devices (NVLink; here, shared memory); ``inter``: a node's whole network bandwidth (all its NICs:
+    8 x 400 Gb/s is 400 GB/s), which a collective spanning nodes gets all of (NCCL runs a ring per
+    NIC) while the ``per_node`` replicate groups of a mesh, all reducing at once, share it. ``flops``: a device's
     sustained rate on the model's matrix products (FLOP/s); ``memory_rate``: bytes/s the optimizer's
     update streams through (the memory its state lives in). ``accelerator``: whether the devices
     are accelerators (else host memory is the device's, as ``memory_report`` counts it).
@@ -53,12 +55,20 @@ class Cluster:
     def world(self) -> int:
         return self.nodes * self.per_node
 
+    def crosses_nodes(self, label: str) -> bool:
+        """Whether a group's ring crosses nodes: ``"replicate"`` does; ``"world"`` (flat) does once
+        there is more than one node; ``"shard"`` stays in a node."""
+        return label == "replicate" or (label == "world" and self.nodes > 1)
+
     def link(self, label: str) -> Link:
-        """The link a group's ring is bound by: ``"shard"`` stays in a node; ``"replicate"`` crosses
-        nodes; ``"world"`` (flat) crosses them once there is more than one node."""
-        if label == "shard" or (label == "world" and self.nodes == 1):
+        """The link a group's ring is bound by: a node's own within it; across nodes, the slower of
+        the node's link and its network for a flat group, a ``per_node``-th of the network for each
+        of the replicate groups that reduce together."""
+        if not self.crosses_nodes(label):
             return self.intra
-        return self.inter
+        if label == "replicate":
+            return Link(self.inter.bandwidth / self.per_node, self.inter.latency)
+        return Link(min(self.intra.bandwidth, self.inter.bandwidth), max(self.intra.latency, self.inter.latency))
 
     def group_size(self, label: str, hybrid: bool) -> int:
         return {"world": self.world, "shard": self.per_node if hybrid else self.world,
