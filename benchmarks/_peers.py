@@ -89,6 +89,11 @@ PEERS = {
                             offload="cpu_ratio"),
     "zfunc_cpu_delay": Peer("zfunc zero3(offload_cpu(mixed_precision(...), delay=1)): each update one step late, "
                             "behind the next step's forward and backward", "zfunc", offload="cpu_delay"),
+    "zfunc_cpu_blocks": Peer("zfunc zero3(offload_cpu(mixed_precision(...))), zf.compile_units(model): the same "
+                             "compiled blocks as zfunc-blocks under offload", "zfunc", offload="cpu_overlap",
+                             compiled="blocks", eager="zfunc_cpu"),
+    "zfunc_cpu_delay_blocks": Peer("zfunc zero3(offload_cpu(mixed_precision(...), delay=1)), zf.compile_units(model)",
+                                   "zfunc", offload="cpu_delay", compiled="blocks", eager="zfunc_cpu_delay"),
     "zfunc_nvme": Peer("zfunc zero3(offload_nvme(mixed_precision(...), path))", "zfunc", offload="nvme"),
 }
 

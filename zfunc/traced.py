@@ -26,8 +26,10 @@ break that is not exact: a compiled graph's backward gets zeros for outputs that
 so it marks a parameter read only after the break. There a marked parameter whose gradient is
 nonzero on some rank got one; one whose gradient is zero everywhere might not have, and the step
 refuses to guess (``zfunc.agreement.sure_live``).
-Gradients that leave RAM as backward runs (``offload_nvme``'s swap files, an accelerator's
-host copies) are not tensors of a program: such a step raises ``CompileError``.
+Parameters or gradients that leave RAM as the step runs (``offload_nvme``'s swap files) are not
+tensors of a program: such a step raises ``CompileError``. A sink that copies each gradient home
+(``offload_cpu``'s, where the parameters live on an accelerator) gets each one from the program,
+reduced, through its ``take_home``, as ``accumulate``'s sums do.
 """
 from __future__ import annotations
 
@@ -229,8 +231,8 @@ class Jit(Transform):
         def run(params, batch, *, frozen=None, buffers=None, scale=None, sink=None):
             if params.spec.swap is not None or (sink is not None and not hasattr(sink, "take_home")):
                 raise compiled.CompileError(
-                    "zf.jit cannot trace this step: its parameters or gradients leave RAM as it runs (swap "
-                    "files, host copies), which are no tensors of a program. Compile the blocks instead "
+                    "zf.jit cannot trace this step: its parameters or gradients leave RAM as it runs "
+                    "(offload_nvme's swap files), which are no tensors of a program. Compile the blocks instead "
                     "(zf.compile_units(model) before step.init) and leave the step eager")
             key = (params.spec, None if frozen is None else frozen.spec)
             program = self.programs.get(key)

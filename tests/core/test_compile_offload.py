@@ -10,6 +10,7 @@ that failed on every swapped-in buffer would recompile until its cache limit, th
 without a word). The models: the suite's tied GPT and a Hugging Face Llama built from a config."""
 import pytest
 import torch
+from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
@@ -27,6 +28,7 @@ OFFLOADS = {
     "cpu_delay": {"kind": "cpu", "delay": 1},
     "nvme": {"kind": "nvme", "buffer_size": 1e5},
     "nvme_state": {"kind": "nvme", "params": False, "buffer_size": 1e5},  # zero2's: the optimizer state on disk
+    "cpu_copies": {"kind": "cpu", "copy_grads_on_host": True},  # a GPU's path: each gradient copied home
 }
 # (offload, stage): parameters on the host or on disk need zero3
 COMBOS = [("cpu", 2), ("cpu", 3), ("cpu_params", 3), ("cpu_delay", 2), ("cpu_delay", 3), ("nvme", 3), ("nvme_state", 2)]
@@ -34,13 +36,15 @@ COMBOS = [("cpu", 2), ("cpu", 3), ("cpu_params", 3), ("cpu_delay", 2), ("cpu_del
 
 class _Counting:
     """aot_eager (the graphs inductor would get, without its code generation), counting the
-    calls of the compiled forwards: how many blocks ran compiled."""
+    calls of the compiled forwards: how many blocks ran compiled. ``aot=False``: dynamo's graphs
+    run as captured (the fast test's: a third of aot_eager's compile time)."""
 
-    def __init__(self):
+    def __init__(self, aot: bool = True):
         self.calls = 0
+        self.aot = aot
 
     def __call__(self, gm, example_inputs):
-        compiled_fn = aot_eager(gm, example_inputs)
+        compiled_fn = aot_eager(gm, example_inputs) if self.aot else gm.forward
 
         def run(*args):
             self.calls += 1
@@ -75,15 +79,16 @@ def _batch(name: str, model, i: int, size: int):
 
 
 def run_offloaded(name: str, stage: int, offload: str, how: str | None, precision=None, micro: int = 2,
-                  path: str | None = None) -> dict:
+                  path: str | None = None, aot: bool = True) -> dict:
     """``STEPS`` steps of ``zeroN(offload(mixed_precision(accumulate(train_step))))`` on this rank's
-    part of each global batch; ``how``: None (eager), ``"blocks"`` (zf.compile_units) or ``"jit"``.
+    part of each global batch (``micro`` None: no accumulate); ``how``: None (eager), ``"blocks"``
+    (zf.compile_units) or ``"jit"``.
     Per step: the losses, dynamo's unique graphs, graph breaks, and the compiled forwards run."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model, loss_fn = _model_and_loss(name)
     torch._dynamo.reset()
     counters.clear()
-    backend = _Counting()
+    backend = _Counting(aot)
     if how == "blocks":
         zf.compile_units(model, backend=backend, fullgraph=True)
     kw = dict(OFFLOADS[offload]) | ({"path": path} if path else {})
@@ -94,11 +99,14 @@ def run_offloaded(name: str, stage: int, offload: str, how: str | None, precisio
     history = []
     with step.init(model) as state:
         for i in range(STEPS):
-            b = _batch(name, model, i, 2 * micro * world)
+            n = micro or 1
+            b = _batch(name, model, i, 2 * n * world)
             b = local(b if isinstance(b, tuple) else (b,), rank, world)
-            b = [tuple(t.chunk(micro)[j] for t in b) for j in range(micro)]
+            b = [tuple(t.chunk(n)[j] for t in b) for j in range(n)]
             if name == "llama":
                 b = [m[0] for m in b]
+            if micro is None:  # no accumulate: the one batch
+                b = b[0]
             state, metrics = step(state, b)
             history.append({"loss": metrics["loss"].item(), "graphs": counters["stats"]["unique_graphs"],
                             "breaks": sum(counters["graph_break"].values()), "calls": backend.calls})
@@ -123,19 +131,21 @@ def _compiled_every_step(r: dict, per_step: int) -> None:
     assert ran[1:] == [per_step] * (STEPS - 1), f"compiled calls per step {ran}, want {per_step} after the first"
 
 
-def _check(name, stage, offload, how, world, precision=None, tmp_path=None) -> None:
+def _check(name, stage, offload, how, world, precision=None, tmp_path=None, aot: bool = True, micro=2) -> None:
     path = str(tmp_path) if offload.startswith("nvme") else None
     args = (name, stage, offload)
-    eager = workers(world).run(run_offloaded, *args, None, precision, 2, path)
+    eager = workers(world).run(run_offloaded, *args, None, precision, micro, path)
     blocks = 2 if name == "llama" else len(build(name).blocks)
-    for r, e in zip(workers(world).run(run_offloaded, *args, how, precision, 2, path), eager):
+    per_step = (micro or 1) * (blocks if how == "blocks" else 1)  # each block, or the program, per micro-batch
+    for r, e in zip(workers(world).run(run_offloaded, *args, how, precision, micro, path, aot), eager):
         _same(r, e, precision)
-        _compiled_every_step(r, 2 * blocks if how == "blocks" else 2)  # each block, or the program, per micro-batch
+        _compiled_every_step(r, per_step)
 
 
 def test_compiled_blocks_under_offload_cpu_equal_eager_without_recompiles():
-    """The fast case: zero3(offload_cpu(accumulate)) on the GPT at W = 1."""
-    _check("gpt", 3, "cpu", "blocks", 1)
+    """The fast case: zero3(offload_cpu(accumulate)) on the GPT at W = 1, dynamo's graphs run as
+    captured (the slow tests run them through aot_eager)."""
+    _check("gpt", 3, "cpu", "blocks", 1, aot=False)
 
 
 @pytest.mark.slow
@@ -155,3 +165,23 @@ def test_compiled_blocks_of_llama_under_offload_in_bf16(offload, tmp_path):
 @pytest.mark.parametrize("offload,stage", [c for c in COMBOS if c[0].startswith("cpu")])
 def test_jit_under_offload_cpu(offload, stage):
     _check("gpt", stage, offload, "jit", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_jit_under_offload_cpu_copying_each_gradient_home(stage):
+    """Without accumulate, where the parameters live on an accelerator, offload_cpu copies each
+    unit's gradient home as backward finishes (here forced on the CPU): zf.jit's program reduces
+    them itself and hands each to that copy (its ``take_home``), equal to the eager step."""
+    _check("gpt", stage, "cpu_copies", "jit", 2, micro=None)
+
+
+def test_jit_refuses_gradients_sent_to_disk(tmp_path):
+    """zero2(offload_nvme(params=False)) writes each gradient to its swap file as backward ends:
+    no tensor of a program, so zf.jit says so and names what composes (the blocks compiled)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    step = zf.jit(zf.zero2(zf.offload_nvme(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(), zf.optim.sgd(0.1)),
+                                           path=str(tmp_path), params=False)), backend="aot_eager")
+    with step.init(model) as state:
+        with pytest.raises(zf.CompileError, match=r"offload_nvme's swap files.*Compile the blocks instead"):
+            step(state, torch.ones(2, 4))

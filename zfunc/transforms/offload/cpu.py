@@ -67,9 +67,14 @@ class GradToHost(GradOffHome):
         self.copied = False
 
     def _store(self, unit, g: torch.Tensor) -> None:
-        host = to_host(g, self.pin) if unit.place.grad_home == CPU else g
+        self.take_home(unit.index, g)
+
+    def take_home(self, index: int, g: torch.Tensor) -> None:
+        """Unit ``index``'s reduced gradient, copied home: from backward (``_store``) or from zf.jit's
+        program, which reduced it itself (zfunc.traced hands a sink each gradient this way)."""
+        host = to_host(g, self.pin) if self.spec.placements[index].grad_home == CPU else g
         self.copied |= host is not g
-        self.grads[unit.index] = host
+        self.grads[index] = host
 
     def finish(self) -> Params:
         if self.copied and torch.cuda.is_available():
