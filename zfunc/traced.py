@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from . import compiled, dist, layout, lazy
 from .grad import GradOut, grad_spec, loss_and_aux
-from .placement import gathers, grad_is_shard
+from .placement import compute_device, copies_in, gathers, grad_is_shard
 from .transform import Transform
 from .tree import Params
 
@@ -234,6 +234,7 @@ class Jit(Transform):
                     "zf.jit cannot trace this step: its parameters or gradients leave RAM as it runs "
                     "(offload_nvme's swap files), which are no tensors of a program. Compile the blocks instead "
                     "(zf.compile_units(model) before step.init) and leave the step eager")
+            _refuse_copied_in(params)
             key = (params.spec, None if frozen is None else frozen.spec)
             program = self.programs.get(key)
             if program is None:
@@ -258,6 +259,20 @@ class Jit(Transform):
             return GradOut(loss.detach(), aux, home, peak, 1.0 if scale is None else 1.0 / scale, live=live)
 
         return run
+
+
+def _refuse_copied_in(params: Params) -> None:
+    """Units whose shards live in host memory and are copied to the accelerator as they are used
+    (``offload_cpu(params=True)``): the copies are zfunc's, outside any program, so the program
+    would read host tensors beside device ones. On a CPU group the copy is a plain one: traced."""
+    group = params.spec.process_group
+    for leaf, place in zip(params.leaves_in_flight, params.spec.placements):
+        if leaf is not None and copies_in(place) and compute_device(place, leaf, group) != leaf.device:
+            raise compiled.CompileError(
+                f"zf.jit cannot trace offload_cpu(params=True) on {compute_device(place, leaf, group)}: its parameter "
+                "shards live in host memory and are copied in unit by unit as they are used, outside any program. "
+                "Compile the blocks instead (zf.compile_units(model) before step.init) and leave the step eager, "
+                "or keep the parameters on the device (offload_cpu without params=True)")
 
 
 def _graph_breaks() -> int:

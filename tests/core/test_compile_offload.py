@@ -185,3 +185,18 @@ def test_jit_refuses_gradients_sent_to_disk(tmp_path):
     with step.init(model) as state:
         with pytest.raises(zf.CompileError, match=r"offload_nvme's swap files.*Compile the blocks instead"):
             step(state, torch.ones(2, 4))
+
+
+def test_jit_refuses_parameters_copied_in_from_the_host(monkeypatch):
+    """offload_cpu(params=True) on an accelerator copies each unit's host shard to the device as it
+    is used, outside any program: zf.jit says so, naming the device and what composes. The group's
+    compute device is made to read 'cuda' after init (on a CPU group the copy is plain: traced)."""
+    import zfunc.dist
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    step = zf.jit(zf.zero3(zf.offload_cpu(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(), zf.optim.sgd(0.1)),
+                                          params=True)), backend="aot_eager")
+    with step.init(model) as state:
+        monkeypatch.setattr(zfunc.dist, "compute_device", lambda group=None: torch.device("cuda"))
+        with pytest.raises(zf.CompileError, match=r"offload_cpu\(params=True\) on cuda.*Compile the blocks instead"):
+            step(state, torch.ones(2, 4))
