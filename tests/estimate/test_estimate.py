@@ -32,20 +32,27 @@ COMPOSITIONS = {
     "zero3-bf16-cpu": (3, torch.bfloat16, "cpu", 1, 0),
     "zero3-nvme-acc2": (3, None, "nvme", 2, 0),
     "zero3-threshold": (3, None, None, 1, 200),
+    "zero2-bf16-moments": (2, None, None, 1, 0),  # zf.optim.adamw(state_dtype=torch.bfloat16)
 }
+
+
+def _state_dtype(key: str) -> torch.dtype:
+    return torch.bfloat16 if key.endswith("bf16-moments") else torch.float32
 
 
 def _composition(key: str) -> Composition:
     stage, dtype, offload, micro, threshold = COMPOSITIONS[key]
-    return Composition(stage=stage, dtype=dtype, offload=offload, accumulate=micro, persistence_threshold=threshold)
+    return Composition(stage=stage, dtype=dtype, offload=offload, accumulate=micro, persistence_threshold=threshold,
+                       state_dtype=_state_dtype(key))
 
 
 def _step(key: str, model, name: str, swap: str | None, mesh=None):
     stage, dtype, offload, micro, threshold = COMPOSITIONS[key]
     kw = None if offload is None else {"kind": offload, **({"path": swap} if offload == "nvme" else {})}
+    opt = zf.optim.adamw(1e-3, weight_decay=0.01, state_dtype=_state_dtype(key))
     inner = compose(stage if mesh is None else None, _setup_loss(name, model), threshold=threshold,
                     precision=None if dtype is None else {"dtype": dtype}, offload=kw,
-                    micro=micro if micro > 1 else None)
+                    micro=micro if micro > 1 else None, opt=opt)
     if mesh is None:
         return inner
     extra = {"persistence_threshold": threshold} if stage == 3 else {}
@@ -103,6 +110,18 @@ def test_memory_is_memory_report_at_one_rank(tmp_path):
     got = measured("odd_mlp", list(COMPOSITIONS), str(tmp_path), steps=1)
     for key in COMPOSITIONS:
         _check("odd_mlp", key, got[key], 1)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_a_bf16_model_without_mixed_precision(state_dtype):
+    """A model stored in bf16: bf16 weights, and Adam's moments in fp32 unless asked for bf16."""
+    model = build("odd_mlp").to(torch.bfloat16)
+    step = zf.zero3(zf.train_step(lambda p, b: F.mse_loss(zf.apply(model, p, b[0]).float(), b[1]),
+                                  zf.optim.adamw(1e-3, state_dtype=state_dtype)))
+    got = zf.memory_report(step.init(model))
+    want = memory(model_shape(build("odd_mlp").to(torch.bfloat16)), Composition(stage=3, state_dtype=state_dtype), 1,
+                  accelerator=False)
+    assert {k: got[k] for k in PARTS} == {k: want[k] for k in PARTS}
 
 
 def test_memory_and_comm_at_two_ranks(tmp_path):
@@ -236,6 +255,8 @@ def test_bad_input_says_what_to_do():
         Composition(stage=0, offload="cpu")
     with pytest.raises(ValueError, match="need the link between them"):
         Cluster(2, 8, Link(1e11))
+    with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
+        Composition(state_dtype=torch.float16)
     with pytest.raises(ValueError, match="accumulate must be a positive int"):
         Composition(accumulate=0)
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):

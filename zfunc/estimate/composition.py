@@ -20,6 +20,7 @@ class Composition:
     ``offload``: ``"cpu"`` (``offload_cpu``: the optimizer state and its update in host memory;
     ``offload_params``: zero3's parameter shards there too) or ``"nvme"`` (``offload_nvme``:
     parameters and optimizer state in swap files; ``offload_params=False`` keeps the parameters).
+    ``state_dtype``: Adam's moments' storage (``zf.optim.adamw(state_dtype=)``: fp32, or bf16).
     ``accumulate``: micro-batches a step; ``micro_batch_tokens``: tokens each rank runs per
     micro-batch. ``hybrid``: shard within a node, replicate across nodes (``zero3(mesh=)``); else one
     flat group of every rank. ``persistence_threshold``: zero3's (units smaller stay whole)."""
@@ -29,6 +30,7 @@ class Composition:
     reduce_dtype: torch.dtype = torch.float32
     offload: str | None = None
     offload_params: bool | None = None
+    state_dtype: torch.dtype = torch.float32
     accumulate: int = 1
     micro_batch_tokens: int = 2048
     hybrid: bool = False
@@ -42,6 +44,9 @@ class Composition:
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"Composition.dtype must be a floating torch dtype (torch.bfloat16) or None, "
                              f"got {self.dtype!r}")
+        if self.state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"Composition.state_dtype must be torch.float32 or torch.bfloat16 (Adam's moments), "
+                             f"got {self.state_dtype!r}")
         for name in ("accumulate", "micro_batch_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

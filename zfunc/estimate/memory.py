@@ -18,6 +18,14 @@ def shard_size(comp: Composition, nodes: int, per_node: int) -> int:
     return per_node if comp.hybrid else nodes * per_node
 
 
+def moment_dtype(comp: Composition, param_dtype: torch.dtype) -> torch.dtype:
+    """Adam's moments' dtype: bf16 if asked, else fp32 (fp64 for fp64 weights): zf.optim.adamw's rule,
+    over the fp32 master weights under mixed precision."""
+    if comp.state_dtype == torch.bfloat16:
+        return torch.bfloat16
+    return torch.float64 if comp.dtype is None and param_dtype == torch.float64 else torch.float32
+
+
 def memory(shape, comp: Composition, shard: int, accelerator: bool = True) -> dict:
     """``shape`` (zfunc.estimate.model) under ``comp`` over ``shard`` ranks, per rank: ``param_bytes``,
     ``optimizer_bytes``, ``frozen_bytes``, ``buffer_bytes`` (as ``memory_report``), and ``by_home``
@@ -30,8 +38,7 @@ def memory(shape, comp: Composition, shard: int, accelerator: bool = True) -> di
         param_dtype = comp.dtype or unit.dtype
         params += p.held(p.padded, p.params_sharded) * _size(param_dtype)
         frozen += p.held(p.frozen_padded, p.params_sharded) * _size(comp.dtype or unit.frozen_dtype)
-        opt_dtype = torch.float32 if comp.dtype is not None else unit.dtype
-        moments += 2 * p.local * _size(opt_dtype)  # Adam's two moments
+        moments += 2 * p.local * _size(moment_dtype(comp, unit.dtype))  # Adam's two moments
         master += p.local * 4 if comp.dtype is not None else 0  # mixed precision's fp32 master weights
         counts += COUNT_BYTES * unit.trainable_entries  # an update count per parameter
         grad_dtype = torch.float32 if comp.accumulate > 1 or comp.dtype is not None else unit.dtype

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .cluster import Cluster
 from .composition import Composition, place
+from .memory import moment_dtype
 from .traffic import Collective
 
 _FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
@@ -45,7 +46,7 @@ def update_bytes(shape, comp: Composition, shard: int) -> int:
     for unit in shape.units:
         p = place(unit, comp, shard)
         param = 2 if comp.dtype is not None and comp.dtype.itemsize == 2 else unit.dtype.itemsize
-        state = 4 if comp.dtype is not None else unit.dtype.itemsize
+        state = moment_dtype(comp, unit.dtype).itemsize
         master = 8 if comp.dtype is not None else 0
         grad = 4 if comp.dtype is not None or comp.accumulate > 1 else unit.dtype.itemsize
         total += p.local * (param + master + 4 * state + grad)
