@@ -34,7 +34,7 @@ class _Unit:
     """A unit's leaf plus what materializing it needs; lives for one forward/backward."""
 
     __slots__ = ("key", "name", "index", "leaf", "ready", "anchor", "place", "segment", "group", "gathers",
-                 "tracker", "uses", "pending", "full", "full_numel", "device", "store", "stored")
+                 "tracker", "uses", "pending", "full", "full_numel", "device", "store", "stored", "second")
 
     def __init__(self, key, index, leaf, ready, place: Placement, segment, group, tracker, anchor=None, store=None,
                  stored=None, name: str = ""):
@@ -57,11 +57,21 @@ class _Unit:
         self.full: torch.Tensor | None = None  # the full buffer of the latest Materialize
         self.full_numel = leaf.numel() * (dist.world_size(group) if placement.gathers(place, group) else 1)
         self.device = placement.compute_device(place, leaf, group)  # where compute sees the unit
+        self.second: torch.Tensor | None = None  # hpZ: this rank's part of the unit over its secondary group
 
     def _start(self) -> dist.Pending:
         source = self.leaf if self.stored is None else self.stored
         with dist.labelled(self.name):
+            if self.second is not None:  # after its forward (hpZ): gathered among the secondary group
+                return dist.all_gather_start(self.second, dist.group_of(self.place.secondary))
             return placement.materialize_start(self.place, source, self.group, self.ready, self.store)
+
+    def keep_secondary(self, full: torch.Tensor) -> None:
+        """hpZ: forward is done with the unit's ``full`` buffer; keep this rank's part of it over the
+        secondary group (``Placement.secondary``), which backward gathers the unit from."""
+        if self.place.secondary is not None and self.second is None and self.gathers:
+            group = dist.group_of(self.place.secondary)
+            self.second = layout.shard(full, dist.rank(group), dist.world_size(group)).clone()
 
     def wait(self, pending: dist.Pending) -> torch.Tensor:
         """``pending``'s buffer (an all-gather after a read from disk is issued only now)."""
@@ -423,6 +433,7 @@ class Materializer:
             in_forward = self.differentiable and torch.is_grad_enabled() and not self.tracker.backward_started
             if in_forward and (index == self.root or unit.gathers):
                 if index != self.root:
+                    unit.keep_secondary(buf)
                     self._drop_last()
                     self.last = unit
                 self.tracker.keep_for_backward(unit, buf)

@@ -26,6 +26,7 @@ A unit's life::
 | param_home, grad_home, opt_home | device; offload_cpu: gradients and the optimizer state on the CPU for the update (with ``params=True`` the parameter shards too); offload_nvme: all three in swap files (parameters and optimizer state as asked) |
 | acc_home | device; offload_cpu(accumulate_on="host"): the fp32 sums of ``accumulate`` in host memory (units whose gradients are reduce-scattered each micro-batch) |
 | replicate | zero1/2/3(mesh=...): the ranks holding the same shard (hybrid sharding); a gradient reduced in the shard group is averaged over them once per step |
+| secondary | zero3(reshard_after_forward=k): the k ranks a unit stays sharded over between its forward and its backward (ZeRO++'s hpZ), which backward gathers from |
 
 The homes are read where things move: ``param_home`` by materialization (below) and init,
 ``grad_home`` by the grad sinks (offload_cpu's ``GradToHost`` copies a gradient to the host
@@ -64,6 +65,9 @@ class Placement:
     # hybrid sharding: ``dist.group_key`` of the ranks that hold the same shard as this one (the mesh's
     # replicate dim; None: no replicas), over which the shard group's reduced gradient is averaged
     replicate: tuple[int, ...] | None = None
+    # hpZ: ``dist.group_key`` of the k ranks (a part of the shard group) over which a unit stays sharded
+    # from its forward to its backward, so backward's all-gather stays among them (None: gathered anew)
+    secondary: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for field, value, allowed in (("params", self.params, (REPLICATED, SHARDED)),

@@ -309,7 +309,6 @@ def test_a_disabled_feature_section_is_accepted_and_listed(key, value):
 @pytest.mark.parametrize("zero, key", [
     ({"stage": 3, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
     ({"stage": 3, "zero_quantized_gradients": True}, "zero_optimization.zero_quantized_gradients"),
-    ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_optimization.zero_hpz_partition_size"),
     ({"stage": 2, "cpu_offload": True}, "zero_optimization.cpu_offload"),
     ({"stage": 3, "cpu_offload_param": True}, "zero_optimization.cpu_offload_param"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/x", "ratio": 0.5}},

@@ -262,15 +262,21 @@ def test_mics_keys_are_read_not_refused():
         zc.parse({**base, "zero_optimization": {"stage": 3, "mics_shard_size": 0}}, 4)
     with pytest.raises(ValueError, match="needs a ZeRO stage"):
         zc.parse({**base, "zero_optimization": {"stage": 0, "mics_shard_size": 2}}, 4)
+    c = zc.parse({**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, 4)
+    assert (c.zero.zero_hpz_partition_size, c.ignored) == (2, ())
+    with pytest.raises(ValueError, match="set zero_optimization.stage to 3"):
+        zc.parse({**base, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}, 4)
 
 
-def engine_run(stage: int, mics: int, gas: int) -> dict:
-    """``zf.initialize`` with ``mics_shard_size`` (-1: off), two steps of ``gas`` micro-batches."""
+def engine_run(stage: int, mics: int, gas: int, hpz: int = 1) -> dict:
+    """``zf.initialize`` with ``mics_shard_size`` (-1: off) and ``zero_hpz_partition_size``, two steps of
+    ``gas`` micro-batches."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model, shape_model = build("deep_mlp", 0, **MLP), build("deep_mlp", 0, **MLP)
     config = {"train_batch_size": 4 * world, "gradient_accumulation_steps": gas, "gradient_clipping": 0.05,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": stage, "mics_shard_size": mics, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": stage, "mics_shard_size": mics, "stage3_param_persistence_threshold": 0,
+                                    "zero_hpz_partition_size": hpz}}
     engine = zf.initialize(model, config, loss_fn=lambda run, b: loss("deep_mlp", run(b[0]), b[1]))
     losses = []
     for i in range(2):
@@ -424,3 +430,61 @@ def test_mesh_layouts():
         assert r["env"] == (node, peers)
         assert r["positional"] == (node, peers)
         assert r["reversed"] == (peers, node)  # dim 0 is the shard dim here
+
+
+# ------------------------------------------------------------------ hpZ: reshard_after_forward=k
+
+
+def run_hpz(k, layout, steps: int = 2, micro=None) -> dict:
+    """``zero3(..., reshard_after_forward=k)`` (True: not hpZ) flat or under ``layout``; the parameters,
+    losses and the last step's metrics['comm']."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, shape_model = build("deep_mlp", 0, **MLP), build("deep_mlp", 0, **MLP)
+
+    def loss_fn(params, b):
+        return loss("deep_mlp", zf.apply(model, params, b[0]), b[1])
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(LR, weight_decay=0.01))
+    if micro is not None:
+        step = zf.accumulate(step, micro)
+    step = zf.zero3(step, mesh=_mesh(layout), reshard_after_forward=k)
+    state = step.init(model)
+    losses = []
+    for i in range(steps):
+        b = local(batch("deep_mlp", shape_model, i, 4 * world), rank, world)
+        state, metrics = step(state, micro_batches(b, micro) if micro else b)
+        losses.append(metrics["loss"].item())
+    return {"params": zf.gather_params(state), "losses": losses, "comm": metrics["comm"],
+            "composition": step.composition}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,layout,k,micro", [(4, None, 2, None), (4, None, 2, 2), (6, ("named", 6), 3, None)])
+def test_hpz_equals_zero3_and_gathers_backward_among_k(world, layout, k, micro):
+    """W = 4 with k = 2 (with and without accumulation), W = 6 with k = 3 through a mesh of one
+    replica: the same numbers as zero3 (the secondary copy holds the same values), backward's
+    all-gathers on the k ranks' group, as many fewer over the shard group."""
+    hpz = workers(world).run(run_hpz, k, layout, 2, micro)
+    plain = workers(world).run(run_hpz, True, layout, 2, micro)
+    expected = reference("deep_mlp", MLP, steps=2, batch_size=4 * world)
+    shard = "world"  # flat, or a mesh of one replica: its shard group is the world
+    for h, p in zip(hpz, plain):
+        assert f"reshard_after_forward={k}" in h["composition"]
+        _exactly(h["params"], p["params"])
+        assert_close_to(h["params"], expected["params"])
+        assert h["losses"] == p["losses"]
+        assert h["comm"]["secondary"]["all_gather"]["calls"] > 0
+        assert h["comm"][shard]["all_gather"]["calls"] < p["comm"][shard]["all_gather"]["calls"]
+        assert (h["comm"][shard]["all_gather"]["calls"] + h["comm"]["secondary"]["all_gather"]["calls"]
+                == p["comm"][shard]["all_gather"]["calls"])
+
+
+@pytest.mark.slow
+def test_initialize_maps_zero_hpz_partition_size():
+    """At W = 4, ``zero_hpz_partition_size: 2`` is zero3(reshard_after_forward=2): the same numbers."""
+    hpz = workers(4).run(engine_run, 3, -1, 2, 2)
+    plain = workers(4).run(engine_run, 3, -1, 2, 1)
+    for h, p in zip(hpz, plain):
+        assert "reshard_after_forward=2" in h["composition"]
+        assert h["losses"] == p["losses"]
+        _exactly(h["params"], p["params"])

@@ -143,6 +143,7 @@ def compose(cfg, base: Step, *, group=None, accumulate_micro: bool = True,
         step = zero2(step, group=group, mesh=mesh)
     elif z.stage == 3:
         step = zero3(step, group=group, mesh=mesh, persistence_threshold=z.stage3_param_persistence_threshold,
+                     reshard_after_forward=z.zero_hpz_partition_size if z.zero_hpz_partition_size > 1 else True,
                      **coordinator)
     elif group is not None:
         step = zero1(step, group=group)  # a pipeline stage's replicas still average their gradients there

@@ -127,6 +127,7 @@ class ZeroConfig:
     # (-1: off); zfunc's hybrid sharding, zero's mesh=zf.dist.mesh(shard=mics_shard_size)
     mics_shard_size: int = -1
     mics_hierarchical_params_gather: bool = False  # accepted: it only routes MiCS's gathers
+    zero_hpz_partition_size: int = 1  # ZeRO++'s hpZ: zero3's reshard_after_forward=k where k > 1
 
 
 @dataclass(frozen=True)
@@ -554,7 +555,11 @@ def _zero(sec: _Section | None) -> ZeroConfig:
         sub_group_size=sec.get("sub_group_size", "int", 1_000_000_000, lo=1),
         mics_shard_size=sec.get("mics_shard_size", "int", -1, lo=-1),
         mics_hierarchical_params_gather=sec.get("mics_hierarchical_params_gather", "bool", False),
+        zero_hpz_partition_size=sec.get("zero_hpz_partition_size", "int", 1, lo=1),
     )
+    if out["zero_hpz_partition_size"] > 1 and out["stage"] != 3:
+        raise ValueError(f"{sec.where('zero_hpz_partition_size')} keeps parameters sharded over a node between "
+                         "forward and backward, which needs sharded parameters: set zero_optimization.stage to 3")
     if out["mics_shard_size"] == 0:
         raise ValueError(f"{sec.where('mics_shard_size')} is 0: give the number of ranks each shard group spans "
                          "(e.g. a node's), or -1 for no MiCS")
@@ -563,7 +568,6 @@ def _zero(sec: _Section | None) -> ZeroConfig:
                          "ZeRO stage: set zero_optimization.stage to 1, 2 or 3 (MiCS is DeepSpeed's stage 3)")
     sec.ignore(*_ZERO_TUNING)
     for key, ok, what in (
-        ("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning"),
         ("zero_quantized_weights", False, "ZeRO++ quantized weights"),
         ("zero_quantized_nontrainable_weights", False, "quantized frozen weights"),
         ("zero_quantized_gradients", False, "ZeRO++ quantized gradients"),

@@ -14,8 +14,9 @@ NAMES = ("replicate", "shard")
 
 
 def read_mesh(mesh, where: str):
-    """``(shard group, replicate group)`` of ``mesh``; the replicate group is None where the mesh has
-    one replica (flat sharding over the shard group). A clear error for anything else."""
+    """``(shard group, replicate group, every shard group's global ranks)`` of ``mesh``; the replicate
+    group is None where the mesh has one replica (flat sharding over the shard group). A clear error
+    for anything else."""
     ndim = getattr(mesh, "ndim", None)
     if ndim is None or not hasattr(mesh, "get_group"):
         raise TypeError(f"{where}: mesh= takes a torch DeviceMesh (zf.dist.mesh(), or torch.distributed."
@@ -39,9 +40,42 @@ def read_mesh(mesh, where: str):
         raise ValueError(f"{where}: the mesh's shard dim has 1 rank, so nothing is sharded: that is data "
                          f"parallelism over {replicas} replicas, zf.train_step without a ZeRO stage (or give the "
                          "mesh a shard dim of 2 or more)")
-    shard = mesh.get_group(shard_dim)
-    replicate = mesh.get_group(rep_dim) if replicas > 1 else None
+    ranks = mesh.mesh if shard_dim == 1 else mesh.mesh.transpose(0, 1)
+    rows = [row.tolist() for row in ranks]
+    if replicas == 1:  # one shard group: the world's, flat sharding
+        return None, None, rows
+    shard, replicate = mesh.get_group(shard_dim), mesh.get_group(rep_dim)
     dist.label_group(shard, "shard")  # how metrics["comm"] names them
-    if replicate is not None:
-        dist.label_group(replicate, "replicate")
-    return shard, replicate
+    dist.label_group(replicate, "replicate")
+    return shard, replicate, rows
+
+
+def secondary_group(reshard_after_forward, shard, rows):
+    """hpZ's group for ``zero3(reshard_after_forward=k)``: this rank's k consecutive ranks within its
+    shard group (``rows``: every shard group's ranks, None: the world's one), made on every rank;
+    None for True. Every rank makes every such group, in the same order, as new_group asks."""
+    if reshard_after_forward is True:
+        return None
+    if reshard_after_forward is False or not isinstance(reshard_after_forward, int):
+        raise ValueError(f"zero3: reshard_after_forward takes True or an int k (the ranks a unit stays sharded over "
+                         f"between forward and backward), got {reshard_after_forward!r}; keeping whole units "
+                         "(False) is not supported yet")
+    k, size = reshard_after_forward, dist.world_size(shard)
+    if rows is None:
+        if shard is not None:
+            raise ValueError("zero3: reshard_after_forward=k with group= is not supported yet: its groups are made "
+                             "on every rank, which needs every shard group's ranks; give mesh= instead")
+        rows = [list(range(size))]
+    if k < 2 or size % k:
+        raise ValueError(f"zero3: reshard_after_forward={k} must be 2 or more and divide the shard group's "
+                         f"{size} ranks")
+    if k == size:
+        return None  # sharded as the shard group already is
+    mine, me = None, dist.rank()
+    for row in rows:
+        for at in range(0, len(row), k):
+            group = dist.new_group(row[at : at + k])
+            if me in row[at : at + k]:
+                mine = group
+    dist.label_group(mine, "secondary")
+    return mine

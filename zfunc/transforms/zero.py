@@ -33,17 +33,18 @@ from ..placement import CPU, DEVICE, NVME, REDUCE_SCATTER, SHARDED, Placement, o
 from ..step import Step, expect_step, set_units
 from ..transform import Transform
 from ..tree import UpdateFailed
-from .hybrid import read_mesh
+from .hybrid import read_mesh, secondary_group
 
 
 class Zero(Transform):
     family = "zero"
 
     def __init__(self, stage: int, group=None, persistence_threshold: int = 0, prefetch: Prefetch | None = None,
-                 replicate=None):
+                 replicate=None, secondary=None):
         self.stage = stage
         self.group = group  # the shard group
         self.replicate = replicate  # hybrid sharding: the ranks holding the same shards (None: none)
+        self.secondary = secondary  # hpZ: this rank's group of k within the shard group (None: none)
         self.persistence_threshold = persistence_threshold
         self.prefetch = prefetch  # the coordinator's settings, if given here
 
@@ -55,6 +56,8 @@ class Zero(Transform):
         extra = f", persistence_threshold={self.persistence_threshold}" if self.persistence_threshold else ""
         if self.replicate is not None:
             extra += f", mesh={dist.world_size(self.replicate)}x{dist.world_size(self.group)}"
+        if self.secondary is not None:
+            extra += f", reshard_after_forward={dist.world_size(self.secondary)}"
         return f"zero{self.stage}({inner}{extra})"
 
     def check(self, inner) -> None:
@@ -74,7 +77,7 @@ class Zero(Transform):
         if self.stage >= 2:
             p = replace(p, grads=REDUCE_SCATTER)
         if self.stage == 3 and unit.trainable.numel + unit.frozen.numel >= self.persistence_threshold:
-            p = replace(p, params=SHARDED)
+            p = replace(p, params=SHARDED, secondary=dist.group_key(self.secondary))
         elif self.stage == 3 and p.param_home in (CPU, NVME):
             p = replace(p, param_home=DEVICE)  # a persistent unit stays on the device, whole, on every rank
         return p
@@ -131,17 +134,19 @@ def _agree_on_update(group, *, failed: bool) -> None:
             "rank gathered the updated slices; that rank's error names the cause")
 
 
-def _zero(step: Step, stage: int, group, mesh=None, **kw) -> Step:
+def _zero(step: Step, stage: int, group, mesh=None, reshard_after_forward=True, **kw) -> Step:
     expect_step(step, f"zero{stage}")
-    replicate = None
+    replicate, rows = None, None
     if mesh is not None:
         if group is not None:
             raise ValueError(f"zero{stage}: give group= (flat sharding over one group) or mesh= (hybrid sharding), "
                              "not both")
-        group, replicate = read_mesh(mesh, f"zero{stage}")
+        group, replicate, rows = read_mesh(mesh, f"zero{stage}")
+    secondary = secondary_group(reshard_after_forward, group, rows)
     dist.group_key(group)  # remember the groups under their keys, for specs that name them
     dist.group_key(replicate)
-    return step.then(Zero(stage, group, replicate=replicate, **kw))
+    dist.group_key(secondary)
+    return step.then(Zero(stage, group, replicate=replicate, secondary=secondary, **kw))
 
 
 def zero1(step: Step, *, group=None, mesh=None) -> Step:
@@ -159,7 +164,8 @@ def zero2(step: Step, *, group=None, mesh=None) -> Step:
 
 def zero3(step: Step, units=None, *, group=None, mesh=None, persistence_threshold: int = 0,
           prefetch_bucket_size: int | None = None, max_live_parameters: int | None = None,
-          max_reuse_distance: int | None = None, collective_timeout: float | None = None) -> Step:
+          max_reuse_distance: int | None = None, collective_timeout: float | None = None,
+          reshard_after_forward: bool | int = True) -> Step:
     """Shard parameters too: each unit is gathered just before its module runs.
 
     ``units``: ``None`` (each child of every ``nn.ModuleList`` plus a root
@@ -179,9 +185,15 @@ def zero3(step: Step, units=None, *, group=None, mesh=None, persistence_threshol
     formula). ``collective_timeout``: seconds a step's collective may take
     before every rank raises, naming where the ranks' orders differ (default
     300; None waits forever).
+
+    ``reshard_after_forward`` (FSDP2's name): True (the default) gathers a unit anew over the shard
+    group for backward; an int k (ZeRO++'s hpZ, ``zero_hpz_partition_size``) keeps each unit sharded
+    over k consecutive ranks of the shard group (a node's) from its forward to its backward, so
+    backward's all-gathers stay among them, at 1/k of each unit a rank held between them.
     """
     if units is not None:
         step = set_units(step, units)
     prefetch = prefetch_settings(prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
                                  max_reuse_distance=max_reuse_distance, collective_timeout=collective_timeout)
-    return _zero(step, 3, group, mesh, persistence_threshold=persistence_threshold, prefetch=prefetch)
+    return _zero(step, 3, group, mesh, reshard_after_forward, persistence_threshold=persistence_threshold,
+                 prefetch=prefetch)
