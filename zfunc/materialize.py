@@ -72,6 +72,7 @@ class _Unit:
         if self.place.secondary is not None and self.second is None and self.gathers:
             group = dist.group_of(self.place.secondary)
             self.second = layout.shard(full, dist.rank(group), dist.world_size(group)).clone()
+            self.tracker.hold_secondary(self.second.numel() * self.second.element_size())
 
     def wait(self, pending: dist.Pending) -> torch.Tensor:
         """``pending``'s buffer (an all-gather after a read from disk is issued only now)."""
@@ -225,6 +226,12 @@ class Tracker:
         if self.run is not None:
             self.run.allocated(buf.numel())
 
+    def hold_secondary(self, nbytes: int) -> None:
+        """hpZ's secondary parts, kept from a unit's forward to its backward, count in the peak of
+        what is materialized (``metrics["peak_materialized_bytes"]``); negative: let go."""
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
     def freed(self, buf: torch.Tensor) -> None:
         self.current -= buf.numel() * buf.element_size()
         if self.run is not None:
@@ -312,6 +319,9 @@ class Tracker:
         return buf
 
     def release_backward(self, unit: _Unit) -> None:
+        if unit.second is not None:  # its backward is done: a later use (a unit run twice) gathers anew
+            self.hold_secondary(-unit.second.numel() * unit.second.element_size())
+            unit.second = None
         buf = self.backward_cache.pop(unit, None)
         if buf is not None:
             if unit.gathers:

@@ -455,7 +455,7 @@ def run_hpz(k, layout, steps: int = 2, micro=None) -> dict:
         state, metrics = step(state, micro_batches(b, micro) if micro else b)
         losses.append(metrics["loss"].item())
     return {"params": zf.gather_params(state), "losses": losses, "comm": metrics["comm"],
-            "composition": step.composition}
+            "composition": step.composition, "peak": metrics["peak_materialized_bytes"]}
 
 
 @pytest.mark.slow
@@ -474,6 +474,7 @@ def test_hpz_equals_zero3_and_gathers_backward_among_k(world, layout, k, micro):
         assert_close_to(h["params"], expected["params"])
         assert h["losses"] == p["losses"]
         assert h["comm"]["secondary"]["all_gather"]["calls"] > 0
+        assert h["peak"] > p["peak"]  # the secondary parts held from forward to backward count
         assert h["comm"][shard]["all_gather"]["calls"] < p["comm"][shard]["all_gather"]["calls"]
         assert (h["comm"][shard]["all_gather"]["calls"] + h["comm"]["secondary"]["all_gather"]["calls"]
                 == p["comm"][shard]["all_gather"]["calls"])
