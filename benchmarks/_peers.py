@@ -32,6 +32,7 @@ class Peer:
     compiled: str | None = None  # "blocks": each block compiled in place; "jit", "jit-regather": zf.jit
     eager: str | None = None  # a compiled peer's eager twin
     prefetch: bool = True  # zfunc zero3: the coordinator issues gathers ahead of use (off: on demand)
+    moments: str = "fp32"  # zfunc: Adam's moments' dtype ("bf16": zf.optim.adamw(state_dtype=torch.bfloat16))
 
 
 PEERS = {
@@ -94,6 +95,9 @@ PEERS = {
                              compiled="blocks", eager="zfunc_cpu"),
     "zfunc_cpu_delay_blocks": Peer("zfunc zero3(offload_cpu(mixed_precision(...), delay=1)), zf.compile_units(model)",
                                    "zfunc", offload="cpu_delay", compiled="blocks", eager="zfunc_cpu_delay"),
+    "zfunc_cpu_delay_blocks_bf16": Peer("zfunc zero3(offload_cpu(mixed_precision(...), delay=1)), compiled blocks, "
+                                        "Adam's moments in bf16", "zfunc", offload="cpu_delay", compiled="blocks",
+                                        eager="zfunc_cpu_delay", moments="bf16"),
     "zfunc_nvme": Peer("zfunc zero3(offload_nvme(mixed_precision(...), path))", "zfunc", offload="nvme"),
 }
 
@@ -247,7 +251,9 @@ def zfunc_step(name: str, loss_fn, s: Settings):
     """Peer ``name``'s zfunc step: ``zeroN([offload]([mixed_precision]([accumulate](train_step(loss_fn,
     adamw)))))``, compiled whole under zf.jit for the jit peers."""
     peer = PEERS[name]
-    step = zf.train_step(loss_fn, zf.optim.adamw(s.lr, weight_decay=s.wd), **({"units": s.units} if s.units else {}))
+    moments = {"state_dtype": torch.bfloat16} if peer.moments == "bf16" else {}
+    step = zf.train_step(loss_fn, zf.optim.adamw(s.lr, weight_decay=s.wd, **moments),
+                         **({"units": s.units} if s.units else {}))
     if s.accumulate > 1:
         step = zf.accumulate(step, s.accumulate)
     if s.bf16:

@@ -63,15 +63,16 @@ TINY = dict(layers=2, width=64, heads=4, vocab=256, seq=64, batch=2, cap=None, w
 MODE_PEERS = {  # each mode's peers (benchmarks/_peers.py's PEERS)
     "fits": ["zfunc", "fsdp2", "ds3"],
     "offload": ["zfunc_cpu", "zfunc_cpu_sync", "zfunc_cpu_delay", "zfunc_cpu_host_sums", "zfunc_cpu_params",
-                "zfunc_cpu_plan", "zfunc_cpu_ratio", "zfunc_cpu_blocks", "zfunc_cpu_delay_blocks", "ds_cpu",
-                "ds_cpu_params"],
+                "zfunc_cpu_plan", "zfunc_cpu_ratio", "zfunc_cpu_blocks", "zfunc_cpu_delay_blocks",
+                "zfunc_cpu_delay_blocks_bf16", "ds_cpu", "ds_cpu_params"],
     "nvme": ["zfunc_nvme", "ds_nvme"],
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
          "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
                      ("zfunc_cpu_plan", "ds_cpu"), ("zfunc_cpu_plan", "zfunc_cpu_ratio"), ("zfunc_cpu", "zfunc_cpu_sync"),
                      ("zfunc_cpu_host_sums", "ds_cpu"), ("zfunc_cpu_delay", "zfunc_cpu"), ("zfunc_cpu_delay", "ds_cpu"),
-                     ("zfunc_cpu_blocks", "zfunc_cpu"), ("zfunc_cpu_delay_blocks", "zfunc_cpu_delay")],
+                     ("zfunc_cpu_blocks", "zfunc_cpu"), ("zfunc_cpu_delay_blocks", "zfunc_cpu_delay"),
+                     ("zfunc_cpu_delay_blocks_bf16", "ds_cpu")],
          "nvme": [("zfunc_nvme", "ds_nvme")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
 
