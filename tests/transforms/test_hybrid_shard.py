@@ -459,15 +459,17 @@ def run_hpz(k, layout, steps: int = 2, micro=None) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,layout,k,micro", [(4, None, 2, None), (4, None, 2, 2), (6, ("named", 6), 3, None)])
+@pytest.mark.parametrize("world,layout,k,micro", [(4, None, 2, None), (4, None, 2, 2), (6, ("named", 6), 3, None),
+                                                  (8, ("named", 4), 2, 2)])
 def test_hpz_equals_zero3_and_gathers_backward_among_k(world, layout, k, micro):
     """W = 4 with k = 2 (with and without accumulation), W = 6 with k = 3 through a mesh of one
-    replica: the same numbers as zero3 (the secondary copy holds the same values), backward's
-    all-gathers on the k ranks' group, as many fewer over the shard group."""
+    replica, W = 8 as 2 replicas of 4 shards with k = 2: the same numbers as zero3 (the secondary copy
+    holds the same values), backward's all-gathers on the k ranks' group, as many fewer over the
+    shard group."""
     hpz = workers(world).run(run_hpz, k, layout, 2, micro)
     plain = workers(world).run(run_hpz, True, layout, 2, micro)
     expected = reference("deep_mlp", MLP, steps=2, batch_size=4 * world)
-    shard = "world"  # flat, or a mesh of one replica: its shard group is the world
+    shard = "world" if layout is None or layout[1] == world else "shard"  # one replica: the world's
     for h, p in zip(hpz, plain):
         assert f"reshard_after_forward={k}" in h["composition"]
         _exactly(h["params"], p["params"])
