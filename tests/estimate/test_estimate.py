@@ -158,6 +158,32 @@ def test_memory_and_comm_under_a_mesh(name, tmp_path):
             _check(name, key, rank_got[key], 4, shard=2)
 
 
+def hpz_comm(name: str, k: int, micro: int) -> dict:
+    """The last of two steps' ``metrics["comm"]`` under ``zero3(reshard_after_forward=k)`` (hpZ)."""
+    model, twin = build(name), build(name)
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    step = zf.zero3(compose(None, _setup_loss(name, model), micro=micro if micro > 1 else None),
+                    reshard_after_forward=k)
+    state = step.init(model)
+    for i in range(2):
+        b = local(batch(name, twin, i, 4 * world), rank, world)
+        state, metrics = step(state, list(zip(*(t.chunk(micro) for t in b))) if micro > 1 else b)
+    return metrics["comm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,micro", [("gpt", 1), ("gpt", 2), ("odd_mlp", 1)])
+def test_comm_under_hpz(name, micro):
+    """zero3's secondary partition at W = 4, k = 2: forward gathers over every rank, backward's among
+    the 2 of the "secondary" group, as many calls and bytes as the estimate says."""
+    got = workers(4).run(hpz_comm, name, 2, micro)
+    comp = Composition(stage=3, accumulate=micro, reshard_after_forward=2)
+    want = comm(collectives(model_shape(build(name), shard_size=4), comp, 1, 4, "gloo"))
+    assert "secondary" in want
+    for rank_got in got:
+        assert _data(rank_got) == want
+
+
 class Wide(nn.Module):
     """Large enough that its matrix products, not Python, take the step's time."""
 
@@ -257,6 +283,10 @@ def test_bad_input_says_what_to_do():
         Cluster(2, 8, Link(1e11))
     with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
         Composition(state_dtype=torch.float16)
+    with pytest.raises(ValueError, match="reshard_after_forward is zero3's hpZ group size"):
+        Composition(stage=2, reshard_after_forward=2)
+    with pytest.raises(ValueError, match="must divide the shard group"):
+        zf.estimate(Wide(8, 1), Composition(reshard_after_forward=3), Cluster(1, 4, Link(1e9)))
     with pytest.raises(ValueError, match="accumulate must be a positive int"):
         Composition(accumulate=0)
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):

@@ -61,7 +61,7 @@ class Estimate:
 def _links(events: list[Collective], comp: Composition, cluster: Cluster) -> dict:
     out: dict = {}
     for e in events:
-        ranks = cluster.group_size(e.label, comp.hybrid)
+        ranks = cluster.group_size(e.label, comp)
         link = cluster.link(e.label)
         entry = out.setdefault(e.label, {"link": "inter" if cluster.crosses_nodes(e.label) else "intra", "ranks": ranks,
                                          "wire_bytes": 0.0, "seconds": 0.0})
@@ -85,6 +85,7 @@ def estimate(model, composition: Composition | None = None, cluster: Cluster | N
     cluster = cluster or measure()
     if not isinstance(cluster, Cluster):
         raise TypeError(f"zf.estimate: cluster must be a zfunc.estimate.Cluster, got {type(cluster).__name__}")
+    cluster.check(composition)
     shard = shard_size(composition, cluster.nodes, cluster.per_node)
     shape = model_shape(model, units=units, shard_size=shard, seq_len=seq_len)
     events = collectives(shape, composition, cluster.nodes, cluster.per_node, cluster.backend)

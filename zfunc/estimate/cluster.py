@@ -70,6 +70,16 @@ class Cluster:
             return Link(self.inter.bandwidth / self.per_node, self.inter.latency)
         return Link(min(self.intra.bandwidth, self.inter.bandwidth), max(self.intra.latency, self.inter.latency))
 
-    def group_size(self, label: str, hybrid: bool) -> int:
-        return {"world": self.world, "shard": self.per_node if hybrid else self.world,
-                "replicate": self.nodes}[label]
+    def group_size(self, label: str, comp) -> int:
+        """Ranks in the group ``label`` names under the composition ``comp``."""
+        sizes = {"world": self.world, "shard": self.per_node if comp.hybrid else self.world,
+                 "replicate": self.nodes, "secondary": comp.reshard_after_forward or 1}
+        return sizes[label]
+
+    def check(self, comp) -> None:
+        """Raise where ``comp`` cannot lay out on this cluster."""
+        shard = self.per_node if comp.hybrid else self.world
+        k = comp.reshard_after_forward
+        if k is not None and (shard % k or k > self.per_node):
+            raise ValueError(f"reshard_after_forward={k}: the secondary group must divide the shard group ({shard} "
+                             f"ranks) and stay within a node ({self.per_node} ranks)")

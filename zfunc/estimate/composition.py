@@ -23,7 +23,9 @@ class Composition:
     ``state_dtype``: Adam's moments' storage (``zf.optim.adamw(state_dtype=)``: fp32, or bf16).
     ``accumulate``: micro-batches a step; ``micro_batch_tokens``: tokens each rank runs per
     micro-batch. ``hybrid``: shard within a node, replicate across nodes (``zero3(mesh=)``); else one
-    flat group of every rank. ``persistence_threshold``: zero3's (units smaller stay whole)."""
+    flat group of every rank. ``persistence_threshold``: zero3's (units smaller stay whole).
+    ``reshard_after_forward``: zero3's hpZ, ``k`` ranks (a part of the shard group, within a node)
+    each unit stays sharded over from its forward to its backward, which gathers it among them."""
 
     stage: int = 3
     dtype: torch.dtype | None = None
@@ -35,6 +37,7 @@ class Composition:
     micro_batch_tokens: int = 2048
     hybrid: bool = False
     persistence_threshold: int = 0
+    reshard_after_forward: int | None = None
 
     def __post_init__(self):
         if self.stage not in (0, 1, 2, 3):
@@ -53,6 +56,10 @@ class Composition:
                 raise ValueError(f"Composition.{name} must be a positive int, got {value!r}")
         if self.offload is not None and self.stage == 0:
             raise ValueError("Composition: offload needs a ZeRO stage (1-3), as zf.offload_cpu and offload_nvme do")
+        k = self.reshard_after_forward
+        if k is not None and (self.stage != 3 or not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ValueError(f"Composition.reshard_after_forward is zero3's hpZ group size, a positive int with "
+                             f"stage=3; got {k!r} with stage={self.stage}")
         if self.hybrid and self.stage == 0:
             raise ValueError("Composition.hybrid shards within a node: give a ZeRO stage (1-3)")
 

@@ -60,7 +60,7 @@ def step_time(shape, comp: Composition, cluster: Cluster, events: list[Collectiv
     compute = shape.flops_per_token * comp.micro_batch_tokens * comp.accumulate / cluster.flops
     waited = hidden = 0.0
     for e in events:
-        t = e.calls * seconds(e.kind, e.nbytes, cluster.group_size(e.label, comp.hybrid), cluster.link(e.label))
+        t = e.calls * seconds(e.kind, e.nbytes, cluster.group_size(e.label, comp), cluster.link(e.label))
         if e.overlapped and overlap:
             hidden += t
         else:

@@ -10,6 +10,8 @@ tensor). zfunc's own schedule (docs/architecture.md, "A unit's life"):
 * a gradient that goes home as a shard (zero2, zero3) is reduce-scattered every micro-batch (on
   gloo: all-reduced whole and sliced, which is faster there, and counted as an all-reduce); one
   that goes home whole (stage 0, zero1) is summed locally and all-reduced once, in the last;
+* zero3(reshard_after_forward=k) (hpZ) gathers a block for backward among its ``"secondary"`` group
+  of k ranks instead of the shard group;
 * under a mesh the reduced gradient is averaged over the replicate group once a step;
 * units whose parameters stay whole but whose optimizer state is sharded (zero1, zero2, zero3's
   persistent units) all-gather the updated slices once a step, after the ranks agree in one 8-byte
@@ -70,11 +72,14 @@ def collectives(shape, comp: Composition, nodes: int, per_node: int, backend: st
         b_frozen = _size(comp.dtype or unit.frozen_dtype)
         b_reduce = _size(comp.reduce_dtype if comp.dtype is not None else unit.dtype)
         if shard > 1 and p.params_sharded:
-            gathers = n * (1 if i in kept else 2)
+            # hpZ: a block's backward gathers it among its secondary group (the root stays gathered)
+            again = "secondary" if comp.reshard_after_forward and shape.units[i].name != "" else shard_label
             for numel, size in ((p.padded, b_param), (p.frozen_padded, b_frozen)):
                 if numel:
                     # forward's first gather of a micro-batch waits; the rest are prefetched
-                    out.append(Collective(shard_label, "all_gather", numel * size, gathers, overlapped=i != 0))
+                    out.append(Collective(shard_label, "all_gather", numel * size, n, overlapped=i != 0))
+                    if i not in kept and (again != "secondary" or comp.reshard_after_forward > 1):
+                        out.append(Collective(again, "all_gather", numel * size, n, overlapped=True))
         if not p.padded:
             continue
         if shard > 1:
