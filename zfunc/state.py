@@ -247,8 +247,12 @@ def unit_values(params: Params, i: int) -> torch.Tensor:
     leaf = swap.load(params.leaves[i]).detach()
     if not spec.sharded[i]:
         return leaf
-    # a host shard (swap file, offload_cpu's master) goes where nccl gathers
-    return dist.all_gather(leaf.to(dist.device_of(spec.process_group)), spec.process_group)
+    group = spec.process_group
+    if dist.world_size(group) == 1:  # nothing to gather: the shard is the unit, where it lives
+        return leaf
+    # a host shard (swap file, offload_cpu's master) goes where nccl gathers; gloo gathers where it is
+    on = dist.device_of(group)
+    return dist.all_gather(leaf if on.type == "cpu" else leaf.to(on), group)
 
 
 def write_params(state: State, values: dict[str, torch.Tensor]) -> None:

@@ -82,8 +82,9 @@ def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int =
     engine); None keeps the model's own. ``bucket_bytes``: how much is gathered before it is
     handed out (a tensor larger than it is a bucket of its own). ``names``: ``"hf"``, the model's
     own names as ``save_hf`` writes them. ``device``: where the tensors are handed out; None:
-    where the state's collectives run (the GPU under nccl, for an IPC or NCCL hand-off; the CPU
-    under gloo). ``buckets``: yield each bucket as a list of ``(name, tensor)`` instead, for a
+    where the state computes (the GPU its ``step.init`` put it on, for an IPC or NCCL hand-off,
+    with or without a process group; the CPU for a CPU state). ``buckets``: yield each bucket as a
+    list of ``(name, tensor)`` instead, for a
     consumer that packs them.
 
     A peft model's state (``model=``: the ``PeftModel`` ``step.init`` took): with ``merged=True``
@@ -99,7 +100,7 @@ def iter_weights(state, *, dtype: torch.dtype | None = None, bucket_bytes: int =
     group = state.params.spec.process_group
     sharded = any(state.params.spec.sharded) or any(state.frozen.spec.sharded)
     check_usable(state, collective=sharded)
-    device = dist.device_of(group) if device is None else torch.device(device)
+    device = dist.compute_device(group) if device is None else torch.device(device)
     values = _peft_values(state, model, merged, adapter, dtype, device)
     if values is None:
         _, _, values = named_values(state, dtype, device)
