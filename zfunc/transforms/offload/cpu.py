@@ -335,8 +335,9 @@ class Offload(Transform):
         if self.rates is None:  # this machine's, once per transform (measured, or read from the cache)
             self.rates = measure_rates(dist.compute_device(state.params.spec.process_group))
         waited = None if self.overlap is None else self.overlap.take_waited()
+        per_param = r["pcie_bytes"] / r["host_params"] if r["host_params"] else 0.0  # roofline takes bytes a parameter
         out = roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"], r["first_params"],
-                       r["pcie_bytes"], self.rates, waited_s=waited, micro_batches=self._micro)
+                       per_param, self.rates, waited_s=waited, micro_batches=self._micro)
         if self.delay:  # this step's update lands at the next step that updates (delay=), or at once
             out["delayed"] = r.get("delayed", False)
         return {"offload": out}
