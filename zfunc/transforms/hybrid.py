@@ -4,7 +4,8 @@ FSDP2 takes HSDP as ``fully_shard(module, mesh=mesh)`` with a 2-D mesh whose dim
 dim 1 shards; zfunc reads the same mesh, by its dim names where they are ``"replicate"`` and
 ``"shard"`` (either order), else by position. ``zf.dist.mesh()`` builds the usual one (a node's
 ranks shard, the nodes replicate). The step's agreement spans every rank of the mesh, so the mesh
-must span the world.
+must span the world. Also here: hpZ's secondary groups (``zero3(reshard_after_forward=k)``), k
+consecutive ranks within each shard group, which every rank makes from the mesh's shard groups.
 """
 from __future__ import annotations
 
