@@ -365,6 +365,23 @@ def test_the_steps_roofline_counts_the_bytes_it_moved_once():
     assert r["bound_s"] == pytest.approx(1.0 + (1.0 - 1.0 / 3))  # compute, then the host update its forward leaves
 
 
+def test_the_rates_are_measured_before_the_first_step_works(monkeypatch):
+    """Measured after a step, the update running behind it shared the host's cores (on an H200 the CPU
+    Adam measured a twentieth of its rate): the rates are taken as the first step begins, once."""
+    cpu = importlib.import_module("zfunc.transforms.offload.cpu")
+    calls = []
+    monkeypatch.setattr(cpu, "measure_rates", lambda device: calls.append(device) or zf.Rates(1e9, 1e10, 1e10))
+    model = nn.Linear(4, 1)
+    step = zf.zero3(zf.offload_cpu(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(), zf.optim.adamw(1e-3))))
+    offload = next(t for t in step.transforms if t.name == "offload_cpu")
+    state = step.init(model)
+    offload.begin_step(state)
+    assert len(calls) == 1 and offload.rates is not None
+    for _ in range(2):
+        state, metrics = step(state, torch.randn(2, 4))
+    assert len(calls) == 1 and "offload" in metrics
+
+
 # ------------------------------------------------------------ offload_nvme: host memory, then the disk
 
 

@@ -325,6 +325,10 @@ class Offload(Transform):
 
     def begin_step(self, state):
         self._record.clear()
+        if self.rates is None:  # this machine's, once per transform (measured, or read from the cache), while
+            # the host is idle: measured after a step, the update running behind it shared the cores (run 5
+            # measured the CPU Adam at a twentieth of its rate)
+            self.rates = measure_rates(dist.compute_device(state.params.spec.process_group))
         return time.perf_counter()
 
     def step_metrics(self, state, begun) -> dict:
@@ -332,8 +336,6 @@ class Offload(Transform):
         r = self._record
         if begun is None or "started" not in r:
             return {}
-        if self.rates is None:  # this machine's, once per transform (measured, or read from the cache)
-            self.rates = measure_rates(dist.compute_device(state.params.spec.process_group))
         waited = None if self.overlap is None else self.overlap.take_waited()
         per_param = r["pcie_bytes"] / r["host_params"] if r["host_params"] else 0.0  # roofline takes bytes a parameter
         out = roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"], r["first_params"],
