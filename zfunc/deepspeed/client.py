@@ -107,7 +107,9 @@ def _kind(optimizer) -> tuple[str, tuple[str, ...]]:
                             "unknown; zfunc reads DeepSpeed's FusedAdam and DeepSpeedCPUAdam as DeepSpeed 0.19 builds them")
         if cls.__name__ == "DeepSpeedCPUAdam" and getattr(optimizer, "fp32_optimizer_states", True) is False:
             raise ValueError("DeepSpeedCPUAdam(fp32_optimizer_states=False) keeps its moments in the parameters' "
-                             "dtype; zfunc keeps them in fp32 (its math would differ): pass fp32_optimizer_states=True")
+                             "dtype, which a client optimizer cannot tell zfunc: pass fp32_optimizer_states=True, or "
+                             "for bf16 moments give zfunc's own optimizer, zf.optim.adamw(lr, "
+                             "state_dtype=torch.bfloat16)")
         return ("adamw" if mode else "adam"), ADAM_KEYS
     if isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)):
         raise TypeError(f"optimizer is a {cls.__module__}.{cls.__name__}, a subclass of "
