@@ -9,7 +9,8 @@ from .composition import Composition, place
 COUNT_BYTES = 8  # an int64 update count: the optimizer's (one, and one per parameter) and the state's
 
 
-def _size(dtype: torch.dtype) -> int:
+def size_of(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -32,17 +33,17 @@ def memory(shape, comp: Composition, shard: int, accelerator: bool = True) -> di
     (``device``, ``host``: pinned or not, ``disk``); ``grad_bytes``: the gradients held when the
     update runs (not part of the state: the reduced gradients of every unit, this rank's shards
     where they are reduce-scattered, fp32 sums under accumulation), with their home."""
-    params = frozen = opt = counts = grads = master = moments = 0
+    params = frozen = counts = grads = master = moments = 0
     for unit in shape.units:
         p = place(unit, comp, shard)
         param_dtype = comp.dtype or unit.dtype
-        params += p.held(p.padded, p.params_sharded) * _size(param_dtype)
-        frozen += p.held(p.frozen_padded, p.params_sharded) * _size(comp.dtype or unit.frozen_dtype)
-        moments += 2 * p.local * _size(moment_dtype(comp, unit.dtype))  # Adam's two moments
+        params += p.held(p.padded, p.params_sharded) * size_of(param_dtype)
+        frozen += p.held(p.frozen_padded, p.params_sharded) * size_of(comp.dtype or unit.frozen_dtype)
+        moments += 2 * p.local * size_of(moment_dtype(comp, unit.dtype))  # Adam's two moments
         master += p.local * 4 if comp.dtype is not None else 0  # mixed precision's fp32 master weights
         counts += COUNT_BYTES * unit.trainable_entries  # an update count per parameter
         grad_dtype = torch.float32 if comp.accumulate > 1 or comp.dtype is not None else unit.dtype
-        grads += p.held(p.padded, p.grads_sharded) * _size(grad_dtype)
+        grads += p.held(p.padded, p.grads_sharded) * size_of(grad_dtype)
     counts += COUNT_BYTES  # the optimizer's count
     opt = moments + master + counts
     buffers = sum(shape.buffer_bytes)

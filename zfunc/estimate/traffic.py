@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .composition import Composition, place
+from .memory import size_of
 
 
 @dataclass(frozen=True)
@@ -39,10 +38,6 @@ class Collective:
     nbytes: int
     calls: int
     overlapped: bool
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def collectives(shape, comp: Composition, nodes: int, per_node: int, backend: str = "nccl") -> list[Collective]:
@@ -68,9 +63,9 @@ def collectives(shape, comp: Composition, nodes: int, per_node: int, backend: st
         kept |= set(blocks[:1])
     for i, unit in enumerate(shape.units):
         p = place(unit, comp, shard)
-        b_param = _size(comp.dtype or unit.dtype)
-        b_frozen = _size(comp.dtype or unit.frozen_dtype)
-        b_reduce = _size(comp.reduce_dtype if comp.dtype is not None else unit.dtype)
+        b_param = size_of(comp.dtype or unit.dtype)
+        b_frozen = size_of(comp.dtype or unit.frozen_dtype)
+        b_reduce = size_of(comp.reduce_dtype if comp.dtype is not None else unit.dtype)
         if shard > 1 and p.params_sharded:
             # hpZ: a block's backward gathers it among its secondary group (the root stays gathered)
             again = "secondary" if comp.reshard_after_forward and shape.units[i].name != "" else shard_label
