@@ -203,8 +203,9 @@ def test_jit_refuses_parameters_copied_in_from_the_host(monkeypatch):
     import zfunc.dist
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    rates = zf.Rates(host_update=1e9, device_update=1e10, pcie=1e10)  # given: nothing measured on the stand-in device
     step = zf.jit(zf.zero3(zf.offload_cpu(zf.train_step(lambda p, x: zf.apply(model, p, x).sum(), zf.optim.sgd(0.1)),
-                                          params=True)), backend="aot_eager")
+                                          params=True, rates=rates)), backend="aot_eager")
     with step.init(model) as state:
         monkeypatch.setattr(zfunc.dist, "compute_device", lambda group=None: torch.device("cuda"))
         with pytest.raises(zf.CompileError, match=r"offload_cpu\(params=True\) on cuda.*Compile the blocks instead"):
