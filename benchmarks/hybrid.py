@@ -315,7 +315,7 @@ def per_dim(comm: dict | None) -> str:
 
 def table(rows: dict, args) -> tuple[str, list]:
     base = rows.get("zfunc")
-    lines = ["| peer | median step s | peak RSS per rank (above baseline) MB | final loss | rel. diff to zfunc flat "
+    lines = ["| peer | median step s | peak RSS per rank (above baseline) MiB | final loss | rel. diff to zfunc flat "
              "| MB per step by mesh dim, counted | MB per step, estimated | step s, estimated |",
              "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
     problems = []
