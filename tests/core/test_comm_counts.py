@@ -194,6 +194,7 @@ def run_kinds() -> dict:
     return out
 
 
+@pytest.mark.slow  # W = 3, 7 s; the fast tier keeps its siblings
 def test_each_kind_counts_its_whole_buffer_per_group():
     results = workers(3).run(run_kinds)
     for rank, got in enumerate(results):

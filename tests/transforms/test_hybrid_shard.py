@@ -107,6 +107,7 @@ def _check(layout, world, stage, **kw):
     return hybrid
 
 
+@pytest.mark.slow  # W = 4 workers alone cost the fast tier 13 s; the fast tier keeps its siblings
 def test_zero3_2x2_equals_pytorch():
     """The fast case: W = 4 as 2 replicas of 2 shards, zero3, two steps, with clipping (a norm
     counted once per replica would clip by sqrt(2) times the norm); the slow tests below add flat
