@@ -34,7 +34,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _sizes import parse_size  # noqa: E402
-from gpt import GPT, GPTConfig, get_batch, split, stdlib_corpus  # noqa: E402
+from gpt import get_batch, split, stdlib_corpus  # noqa: E402
+from _curves import models  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BYTES = {"fp32": 28, "bf16": 20}
@@ -50,23 +51,6 @@ parser.add_argument("--seed", type=int, default=1337)
 parser.add_argument("--models", default="gpt,llama", help="comma-separated; empty: timing only")
 parser.add_argument("--size", type=parse_size, default=parse_size("20M"), help="elements the timed update covers")
 parser.add_argument("--reps", type=int, default=9)
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
-
-
-def models(args):
-    """name -> (build, its logits from (model, params, x), compute dtype or None for fp32)."""
-    return {
-        "gpt": (lambda: GPT(GPTConfig(vocab_size=256, seq_len=args.seq, d_model=128, n_layers=4, n_heads=4)),
-                lambda m, p, x: zf.apply(m, p, x), None),
-        "llama": (tiny_llama, lambda m, p, x: zf.apply(m, p, x).logits, torch.bfloat16),
-    }
 
 
 def train(args, build, logits_of, dtype, state_dtype, train_data, val_data) -> dict:
@@ -102,7 +86,7 @@ def train(args, build, logits_of, dtype, state_dtype, train_data, val_data) -> d
 def curves(args) -> None:
     train_data, val_data = split(stdlib_corpus(1.0))
     for name in [n for n in args.models.split(",") if n]:
-        build, logits_of, dtype = models(args)[name]
+        build, logits_of, dtype = models(args.seq)[name]
         runs = {k: train(args, build, logits_of, dtype, d, train_data, val_data) for k, d in DTYPES.items()}
         n = sum(p.numel() for p in build().parameters())
         print(f"\n{name}: {n / 1e6:.2f}M parameters, {'bf16 compute, fp32 masters' if dtype else 'fp32'}, "

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import zfunc as zf
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from gpt import GPT, GPTConfig, get_batch, split, stdlib_corpus  # noqa: E402
+from gpt import get_batch, split, stdlib_corpus  # noqa: E402
+from _curves import models  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--steps", type=int, default=300)
@@ -35,23 +36,6 @@ parser.add_argument("--warmup", type=int, default=20, help="lr warm-up steps")
 parser.add_argument("--warmup-exact", type=int, default=0, help="delay_after: exact updates before delaying")
 parser.add_argument("--seed", type=int, default=1337)
 parser.add_argument("--models", default="gpt,llama")
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
-
-
-def models(args):
-    """name -> (build, its logits from (model, params, x), precision)."""
-    return {
-        "gpt": (lambda: GPT(GPTConfig(vocab_size=256, seq_len=args.seq, d_model=128, n_layers=4, n_heads=4)),
-                lambda m, p, x: zf.apply(m, p, x), None),
-        "llama": (tiny_llama, lambda m, p, x: zf.apply(m, p, x).logits, torch.bfloat16),
-    }
 
 
 def train(args, build, logits_of, dtype, delay: int, train_data, val_data) -> dict:
@@ -89,7 +73,7 @@ def main():
     args = parser.parse_args()
     train_data, val_data = split(stdlib_corpus(1.0))
     for name in args.models.split(","):
-        build, logits_of, dtype = models(args)[name]
+        build, logits_of, dtype = models(args.seq)[name]
         runs = {d: train(args, build, logits_of, dtype, d, train_data, val_data) for d in (0, 1)}
         n = sum(p.numel() for p in build().parameters())
         print(f"\n{name}: {n / 1e6:.2f}M parameters, {'bf16' if dtype else 'fp32'}, {args.batch}x{args.seq} tokens a "
