@@ -81,8 +81,7 @@ def zfunc_case(args) -> dict:
     import zfunc as zf
 
     device = args.device
-    with torch.device("meta"):
-        model = llama(args, "meta")
+    model = llama(args, "meta")  # made on the device a unit at a time by step.init
 
     def loss_fn(params, x):
         return zf.apply(model, params, input_ids=x, labels=x).loss
