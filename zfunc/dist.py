@@ -10,8 +10,8 @@ before any rank issues it) and waited for at most the step's ``deadline``; a
 wait longer than a slice beats the rank's heartbeat in the store, so the other
 ranks can tell a rank that is stuck or dead from one that waits with them.
 
-Every collective issued here is also counted (``counting``, ``comm_mark``/``comm_since``: what
-``metrics["comm"]`` reports per step): calls and bytes per kind, per group (``label_group``).
+Every collective issued here is also counted (zfunc.comm_counts, whose names this module
+re-exports: ``counting``, ``label_group``, ``comm_mark``/``comm_since``: ``metrics["comm"]``).
 """
 from __future__ import annotations
 
@@ -20,99 +20,19 @@ import contextvars
 import datetime
 import hashlib
 import os
-import threading
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from . import buffers, layout
+from .comm_counts import count as _count, nbytes as _nbytes
+from .comm_counts import KINDS, comm_mark, comm_since, counting, group_label, label_group  # noqa: F401 (zf.dist's names)
 
 _timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar("zfunc_collective_timeout", default=None)
 _gate: contextvars.ContextVar = contextvars.ContextVar("zfunc_collective_gate", default=None)
 _label: contextvars.ContextVar[str] = contextvars.ContextVar("zfunc_collective_label", default="")
 _watched: contextvars.ContextVar = contextvars.ContextVar("zfunc_watched_group", default=None)
-
-
-# ------------------------------------------------------------------ counting
-
-# The kinds counted. Data: what moves the model's tensors (nccl-tests' sizes: an all-gather's
-# gathered output, a reduce-scatter's full input, the tensor of the others). Control:
-# "agreement", the vectors ranks agree on (the step's agreement, flags, the coordinator's lockstep
-# check), and "barrier"; the store's traffic (heartbeats, ``exchange``) is not counted.
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv", "agreement", "barrier")
-
-_totals: dict[tuple[str, str], list[int]] = {}  # (group label, kind) -> [calls, bytes] since the process began
-_totals_lock = threading.Lock()  # collectives may be issued from worker threads
-_names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its label
-
-
-def label_group(group, name: str) -> None:
-    """Count ``group``'s collectives under ``name`` (e.g. a mesh dim's, ``"shard"``) in
-    ``metrics["comm"]``. The default group is ``"world"``; an unlabelled one is named by its global
-    ranks, ``"ranks(0,2)"``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"label_group: the label must be a non-empty string, got {name!r}")
-    if group is None or (is_initialized() and group is dist.group.WORLD):
-        raise ValueError("label_group: the default group is always counted as 'world'; label a subgroup "
-                         "(dist.new_group, a DeviceMesh dim's get_group())")
-    _names[group] = name
-
-
-def group_label(group=None) -> str:
-    """The name ``group``'s collectives are counted under (see ``label_group``)."""
-    if group is None or not is_initialized() or group is dist.group.WORLD:
-        return "world"
-    name = _names.get(group)
-    if name is None:
-        name = _names[group] = f"ranks({','.join(map(str, dist.get_process_group_ranks(group)))})"
-    return name
-
-
-def _count(kind: str, group, nbytes: int) -> None:
-    """One collective of ``kind`` over ``group`` moving a buffer of ``nbytes`` (no sync: a dict add)."""
-    key = (group_label(group), kind)
-    with _totals_lock:
-        c = _totals.get(key)
-        if c is None:
-            _totals[key] = [1, nbytes]
-        else:
-            c[0] += 1
-            c[1] += nbytes
-
-
-def _nbytes(t: torch.Tensor, numel: int | None = None) -> int:
-    return (t.numel() if numel is None else numel) * t.element_size()
-
-
-def comm_mark() -> dict[tuple[str, str], tuple[int, int]]:
-    """The counts so far, for ``comm_since`` (cheap: a copy of a few entries)."""
-    with _totals_lock:
-        return {k: (c[0], c[1]) for k, c in _totals.items()}
-
-
-def comm_since(mark: dict) -> dict[str, dict[str, dict[str, int]]]:
-    """The collectives issued since ``mark`` (``comm_mark``), in every thread of this process:
-    ``{group label: {kind: {"calls": n, "bytes": b}}}``, kinds with no call left out."""
-    out: dict[str, dict[str, dict[str, int]]] = {}
-    for (label, kind), (calls, nbytes) in comm_mark().items():
-        calls0, bytes0 = mark.get((label, kind), (0, 0))
-        if calls > calls0:
-            out.setdefault(label, {})[kind] = {"calls": calls - calls0, "bytes": nbytes - bytes0}
-    return out
-
-
-@contextlib.contextmanager
-def counting():
-    """Count the collectives issued inside: yields a dict that, on exit, holds them as
-    ``metrics["comm"]`` does (``comm_since``). Steps and threads running meanwhile count too."""
-    counts: dict = {}
-    mark = comm_mark()
-    try:
-        yield counts
-    finally:
-        counts.update(comm_since(mark))
 
 
 def _all_gather_single(out, inp, group=None, async_op=False):
