@@ -24,9 +24,9 @@ from .engine import Engine, RepeatingLoader
 from .engine import config as _configuration
 from .estimate import estimate
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
-from .grad import apply, bind, grad, value_and_grad
+from .grad import apply, grad, value_and_grad
 from .placement import Placement
-from .residency import OffloadedState, StateOffloaded, offload_states, reload_states
+from .residency import OffloadedState, StateOffloaded, bind, offload_states, reload_states
 from .state import State, gather_params, memory_report
 from .step import Step, eval_step, train_step
 from .step import set_units as units

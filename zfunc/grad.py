@@ -6,8 +6,7 @@ materialized just before its module runs and released right after, so at
 ZeRO-3 only a unit or two is ever whole. Given a plain dict it is
 ``torch.func.functional_call``.
 
-``bind(state, model)`` runs the same machinery outside a step: the model on the state's
-current weights for generation and evaluation (no gradients, no coordinator).
+``zf.bind`` (zfunc.residency.bind) runs the same machinery between steps.
 
 Code that reads a weight any other way (another unit's weight in a module's
 forward, the loss reading a head's weight, an activation checkpoint
@@ -37,7 +36,6 @@ from . import coordinator as coordination
 from .materialize import Materializer, Tracker
 from .placement import grad_is_shard
 from .pytree import tree_flatten, tree_map, tree_unflatten
-from .state import State, check_usable
 from .tree import ModelSpec, Params, ParamsSpec
 
 
@@ -108,7 +106,7 @@ class ParamView(Mapping):
         if compiled.is_wrapped(model):
             compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
         if self.input_dtype is not None:
-            args, kwargs = _cast_inputs(self.input_dtype, args, kwargs)
+            args, kwargs = cast_inputs(self.input_dtype, args, kwargs)
         self.open_scope()
         try:
             tensors = {real: self[name] for name, real in root}
@@ -252,108 +250,11 @@ def apply(model: nn.Module, params: Mapping[str, torch.Tensor], *args, **kwargs)
         return params.run(model, args, kwargs)
     dtype = getattr(params, "input_dtype", None)  # zf.jit's views under mixed precision, as ParamView
     if dtype is not None:
-        args, kwargs = _cast_inputs(dtype, args, kwargs)
+        args, kwargs = cast_inputs(dtype, args, kwargs)
     return functional_call(model, dict(params), args, kwargs, strict=False)
 
 
-@contextlib.contextmanager
-def bind(state, model: nn.Module):
-    """``with zf.bind(state, model) as m:`` ``m`` is ``model`` running on ``state``'s current weights.
-
-    Inside the block ``model(x)``, ``model.generate(...)`` (Hugging Face) and evaluation loops
-    run as a step's forward does: each unit materialized (gathered, read in from host memory or
-    disk) as the forward reaches it and released after, so at ZeRO-3 only a unit or two is ever
-    whole. Every rank of the state's group runs the same calls (as every rank runs a step). The
-    block runs without gradients (train through a step), on copies of the state's buffers, and
-    outside the step's coordinator (no prefetch, nothing recorded): the state, and the training
-    that follows, are as if the block had not run. Floating-point inputs of the model's forward
-    take the compute dtype under mixed precision, as in ``zf.apply``. Outside the block the model
-    refuses use again.
-    """
-    if not isinstance(state, State):
-        raise TypeError(f"zf.bind(state, model) takes the State step.init returned, got {type(state).__name__}"
-                        " (an Engine's model on its weights is engine.module)")
-    params, frozen = state.params, state.frozen
-    spec = params.spec.model
-    check_usable(state, collective=any(params.spec.sharded) or any(frozen.spec.sharded))
-    tracker = Tracker()  # tracker.run stays None: the coordinator neither prefetches nor records
-    trainable = Materializer(params, tracker)
-    frozen_units = Materializer(frozen, tracker, kind="f")
-    buffers = {name: b.clone() for name, b in state.buffers.items()}
-    view = ParamView(spec, trainable, frozen_units, buffers)
-    undo: list[Callable[[], None]] = []
-    try:
-        undo += view.hook_units(model)[1]  # checks the model; the root unit resolves through its stand-ins
-        undo.append(_swap_buffers(model, buffers))
-        undo.append(_root_scope(model, view))
-        with torch.no_grad(), lazy.resolving(view):
-            yield model
-    finally:
-        for step_back in reversed(undo):
-            step_back()
-        view.close()
-        view.restore_models()
-        tracker.close()
-
-
-class Bound:
-    """A model whose calls each run inside ``bind(state(), model)`` (``engine.module``, as
-    DeepSpeed's): ``bound(x)``, ``bound.generate(...)`` and the model's other methods run on the
-    weights the state holds at the call; ``nn.Module``'s own methods (``eval()``,
-    ``parameters()``, ...) and attributes (``config``) are the model's."""
-
-    def __init__(self, state: Callable[[], Any], model: nn.Module):
-        self._state, self._model = state, model
-
-    def __call__(self, *args, **kwargs):
-        with bind(self._state(), self._model) as model:
-            return model(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        value = getattr(self._model, name)
-        if hasattr(nn.Module, name) or not callable(value) or getattr(value, "__self__", None) is not self._model:
-            return value
-
-        def bound(*args, **kwargs):
-            with bind(self._state(), self._model):
-                return value(*args, **kwargs)
-        return bound
-
-    def __repr__(self) -> str:
-        return f"Bound({self._model!r})"
-
-
-def _swap_buffers(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> Callable[[], None]:
-    """Put ``buffers`` (the state's, copied) in ``model``'s buffer slots; returns what puts the model's back."""
-    old = []
-    for name, value in buffers.items():
-        path, _, attr = name.rpartition(".")
-        module = compiled.owner(model, path)
-        old.append((module, attr, module._buffers[attr]))
-        module._buffers[attr] = value
-
-    def restore():
-        for module, attr, b in old:
-            module._buffers[attr] = b
-    return restore
-
-
-def _root_scope(model: nn.Module, view: ParamView) -> Callable[[], None]:
-    """Each call of the model's forward: one scope for the root unit's weights it reads (released
-    when it returns), and its floating-point inputs in the compute dtype under mixed precision."""
-
-    def enter(module, args, kwargs):
-        view.open_scope()
-        if view.input_dtype is not None:
-            return _cast_inputs(view.input_dtype, args, kwargs)
-        return None
-
-    pre = model.register_forward_pre_hook(enter, with_kwargs=True)
-    post = model.register_forward_hook(lambda *_: view.close_scope(), always_call=True)
-    return lambda: (pre.remove(), post.remove())
-
-
-def _cast_inputs(dtype: torch.dtype, args, kwargs):
+def cast_inputs(dtype: torch.dtype, args, kwargs):
     """Floating-point inputs in the compute dtype (FSDP2's ``cast_forward_inputs``)."""
     cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
     return tree_map(cast, (tuple(args), dict(kwargs)))

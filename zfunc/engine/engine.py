@@ -33,7 +33,8 @@ from torch import nn
 
 from .. import checkpoint, compiled, dist
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
-from ..grad import Bound, apply, forward as run_forward, materialized, scalar_loss
+from ..grad import apply, forward as run_forward, materialized, scalar_loss
+from ..residency import Bound
 from .imperative import Window
 from .handles import OptimizerHandle, SchedulerHandle
 from .loop import Loop
