@@ -211,7 +211,7 @@ def build_peer(peer, model, loss, s: Settings, on_metrics):
 
 def measure_rates() -> dict:
     """This machine's rates as the estimator takes them, every rank measuring at once."""
-    from zfunc.estimate import probes
+    from zfunc.estimator import probes
 
     mesh = zf.dist.mesh(shard=SHARD)
     links = {dim: probes.link_rate(group, large=1 << 20)
@@ -289,7 +289,7 @@ def worker(args) -> None:
 
 def predicted(peer, args, rates):
     """``zf.estimate`` of zfunc peer ``peer`` from the rates it measured."""
-    from zfunc.estimate import Cluster, Composition, Link
+    from zfunc.estimator import Cluster, Composition, Link
 
     links = {dim: Link(*v) for dim, v in rates["links"].items()}
     common = dict(flops=rates["flops"], memory_rate=rates["memory_rate"], accelerator=False, backend="gloo")

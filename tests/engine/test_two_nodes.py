@@ -106,7 +106,7 @@ def test_two_agents_train_as_one_process(tmp_path, layout, per_node):
     sys.path.insert(0, HARNESS)
     import zfunc as zf
     from models import build
-    from zfunc.estimate import Cluster, Composition, Link
+    from zfunc.estimator import Cluster, Composition, Link
 
     cluster = Cluster(2, per_node, Link(1e9), Link(1e9), backend="gloo")
     predicted = zf.estimate(build(MODEL), Composition(stage=3, hybrid=layout == "mesh"), cluster).comm

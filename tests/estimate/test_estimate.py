@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.estimate import Cluster, Composition, Link, model_shape
-from zfunc.estimate.memory import memory
-from zfunc.estimate.traffic import collectives, comm
+from zfunc.estimator import Cluster, Composition, Link, model_shape
+from zfunc.estimator.memory import memory
+from zfunc.estimator.traffic import collectives, comm
 from cases import compose, _setup_loss
 from models import batch, build, local
 from workers import workers
@@ -202,7 +202,7 @@ def timed_steps(stage: int, tokens: int, steps: int = 3) -> dict:
     """The median seconds of ``steps`` steps of ``Wide`` under ZeRO-``stage`` on this rank's ``tokens``
     rows (the first, which records the trace, left out), and this machine's rates measured between
     the steps (the median of each), so that both see the same load of a shared machine."""
-    from zfunc.estimate import probes
+    from zfunc.estimator import probes
 
     torch.manual_seed(0)
     model = Wide()
@@ -292,7 +292,7 @@ def test_bad_input_says_what_to_do():
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         zf.estimate("/no/such/folder", cluster=Cluster(1, 1, Link(1e9)))
     with pytest.raises(ValueError, match="a link is measured between ranks"):
-        from zfunc.estimate.probes import link_rate
+        from zfunc.estimator.probes import link_rate
         link_rate()
 
 
@@ -314,7 +314,7 @@ def test_a_hugging_face_config_and_the_command_line(tmp_path):
     assert est.memory["param_bytes"] == sum(-(-u.trainable // 8) for u in est.model.units) * 2
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA_3_1_8B))
-    run = subprocess.run([sys.executable, "-m", "zfunc.estimate", str(config), "--precision", "bf16", "--tokens",
+    run = subprocess.run([sys.executable, "-m", "zfunc.estimator", str(config), "--precision", "bf16", "--tokens",
                           "8192", "--seq-len", "8192", "--per-node", "8", "--intra-bandwidth", "150e9",
                           "--flops", "4e14", "--memory-rate", "2e12", "--json"],
                          capture_output=True, text=True, timeout=300)

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..engine import config as configuration
 from ..engine.handles import OptimizerHandle, SchedulerHandle
 from ..optim import Optimizer, lr as lr_schedules
-from ..pipeline import PipelineEngine, PipelineModule
+from ..initialization import config_for, engine_for
+from ..pipeline import PipelineModule
 from . import zero
 from .comm import init_distributed
 from .data import DataLoader
@@ -52,15 +52,14 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     raw = _config(args, config, config_params)
     if args is not None and hasattr(args, "local_rank"):  # DeepSpeed's engine sets it from the launcher's LOCAL_RANK
         args.local_rank = int(os.environ.get("LOCAL_RANK", dist.rank()))
+    cfg = config_for(model, raw)
     if isinstance(model, PipelineModule):
-        return _pipeline(model, raw, optimizer, lr_scheduler, training_data)
-    cfg = configuration.parse(raw, dist.world_size())
-    configuration.warn_ignored(cfg)
+        return _pipeline(model, cfg, optimizer, lr_scheduler, training_data)
     zopt, schedule, scheduler_kind, groups, group_schedules = _optimizer_and_schedule(
         cfg, model, optimizer, model_parameters, lr_scheduler)
     if zopt is not None and cfg.optimizer is not None:  # DeepSpeed: the script's optimizer over the config's
         cfg = dataclasses.replace(cfg, optimizer=None)
-    engine = DeepSpeedEngine(model, cfg, optimizer=zopt, lr_scheduler=schedule)
+    engine = engine_for(model, cfg, engine_class=DeepSpeedEngine, optimizer=zopt, lr_scheduler=schedule)
     engine.group_schedules = group_schedules
     if groups is not None:
         engine.optimizer = OptimizerHandle(engine, groups)
@@ -210,16 +209,14 @@ class _ConfigScheduler:
 # ------------------------------------------------------------------------------ pipeline
 
 
-def _pipeline(model, raw, optimizer, lr_scheduler, training_data):
+def _pipeline(model, cfg, optimizer, lr_scheduler, training_data):
     if optimizer is not None or lr_scheduler is not None:
         raise NotImplementedError("a client optimizer or lr_scheduler with a PipelineModule is not supported yet: "
                                   "give them in the config")
     if training_data is not None:
         raise NotImplementedError("training_data with a PipelineModule is not supported yet: pass "
                                   "engine.train_batch(data_iter) an iterator")
-    cfg = configuration.parse(raw, dist.world_size() // model.num_stages or 1)
-    configuration.warn_ignored(cfg)
-    engine = PipelineEngine(model, cfg)
+    engine = engine_for(model, cfg)
     engine.optimizer = OptimizerHandle(engine)
     engine.lr_scheduler = SchedulerHandle(engine) if engine.lr_schedule is not None else None
     return engine, engine.optimizer, None, engine.lr_scheduler

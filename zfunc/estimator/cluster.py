@@ -47,7 +47,7 @@ class Cluster:
                 raise ValueError(f"Cluster.{name} must be a positive int, got {value!r}")
         if self.nodes > 1 and self.inter is None:
             raise ValueError(f"Cluster: {self.nodes} nodes need the link between them (inter=Link(bandwidth, "
-                             "latency)), or measure it (zfunc.estimate.probes)")
+                             "latency)), or measure it (zfunc.estimator.probes)")
         if not self.flops > 0 or not self.memory_rate > 0:
             raise ValueError(f"Cluster: flops and memory_rate must be > 0, got {self.flops}, {self.memory_rate}")
 

@@ -41,7 +41,7 @@ class Collective:
 
 
 def collectives(shape, comp: Composition, nodes: int, per_node: int, backend: str = "nccl") -> list[Collective]:
-    """Every collective of one step of ``comp`` on ``shape`` (zfunc.estimate.model) over ``nodes`` x
+    """Every collective of one step of ``comp`` on ``shape`` (zfunc.estimator.model) over ``nodes`` x
     ``per_node`` ranks, in the order the step issues them per unit. Under ``backend`` gloo a gradient
     that goes home as a shard is all-reduced whole and sliced (counted, and timed, as an all-reduce)."""
     world = nodes * per_node

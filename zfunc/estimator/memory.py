@@ -28,7 +28,7 @@ def moment_dtype(comp: Composition, param_dtype: torch.dtype) -> torch.dtype:
 
 
 def memory(shape, comp: Composition, shard: int, accelerator: bool = True) -> dict:
-    """``shape`` (zfunc.estimate.model) under ``comp`` over ``shard`` ranks, per rank: ``param_bytes``,
+    """``shape`` (zfunc.estimator.model) under ``comp`` over ``shard`` ranks, per rank: ``param_bytes``,
     ``optimizer_bytes``, ``frozen_bytes``, ``buffer_bytes`` (as ``memory_report``), and ``by_home``
     (``device``, ``host``: pinned or not, ``disk``); ``grad_bytes``: the gradients held when the
     update runs (not part of the state: the reduced gradients of every unit, this rank's shards

@@ -1,4 +1,4 @@
-"""``python -m zfunc.estimate``: a model's config, a composition and a cluster in, the estimate out
+"""``python -m zfunc.estimator``: a model's config, a composition and a cluster in, the estimate out
 (text, or ``--json``). Rates not given are measured here: the matrix product and memory copy always
 can be; a link only between processes (under torchrun), so a cluster of more than one rank per
 node needs ``--intra-bandwidth`` when run as one process."""
@@ -17,7 +17,7 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zfunc.estimate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m zfunc.estimator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="a Hugging Face model's folder or config.json (no download: a local path)")
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])

@@ -5,7 +5,7 @@ holds, the bytes each collective moves per step on each mesh dim, and the step's
 devices' rate and an alpha-beta model of each link (given, or measured here: ``probes.measure``).
 
 Memory is exact for the state (``zf.memory_report``'s parts); bytes follow ``metrics["comm"]``;
-time is a model whose assumptions zfunc.estimate.timing states (docs/scale.md compares it with
+time is a model whose assumptions zfunc.estimator.timing states (docs/scale.md compares it with
 published runs).
 """
 from __future__ import annotations
@@ -81,10 +81,10 @@ def estimate(model, composition: Composition | None = None, cluster: Cluster | N
     ``overlap=False``: no collective hides behind compute."""
     composition = composition or Composition()
     if not isinstance(composition, Composition):
-        raise TypeError(f"zf.estimate: composition must be a zf.estimate.Composition, got {type(composition).__name__}")
+        raise TypeError(f"zf.estimate: composition must be a zfunc.estimator.Composition, got {type(composition).__name__}")
     cluster = cluster or measure()
     if not isinstance(cluster, Cluster):
-        raise TypeError(f"zf.estimate: cluster must be a zfunc.estimate.Cluster, got {type(cluster).__name__}")
+        raise TypeError(f"zf.estimate: cluster must be a zfunc.estimator.Cluster, got {type(cluster).__name__}")
     cluster.check(composition)
     shard = shard_size(composition, cluster.nodes, cluster.per_node)
     shape = model_shape(model, units=units, shard_size=shard, seq_len=seq_len)

@@ -1,4 +1,0 @@
-"""``python -m zfunc.estimate``: zfunc/estimate/cli.py."""
-from .cli import main
-
-raise SystemExit(main())
