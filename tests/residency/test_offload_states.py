@@ -194,8 +194,10 @@ def test_bad_input_is_named(tmp_path):
         zf.offload_states(state, device="gpu")
     with pytest.raises(ValueError, match="give path="):
         zf.offload_states(state, device="nvme")
-    with pytest.raises(ValueError, match="give path="):
-        zf.offload_states(state, device="nvme", path=str(tmp_path / "missing"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(NotADirectoryError, match="a_file"):
+        zf.offload_states(state, device="nvme", path=str(tmp_path / "a_file"))
+    (tmp_path / "a_file").unlink()
     with pytest.raises(TypeError, match="returned"):
         zf.reload_states(state)
     off = zf.offload_states(state, device="nvme", path=str(tmp_path))
@@ -209,6 +211,24 @@ def test_bad_input_is_named(tmp_path):
     assert os.path.exists(off.file)
     off.close()  # given up without a reload: its file goes
     assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_folder_is_made_and_goes_with_the_file(tmp_path):
+    """As offload_nvme makes its own swap folder: the folders made go again when the file does
+    (reload or close); a folder the user made stays."""
+    model = llama()
+    step = compose("zero3", model, "")
+    state = step.init(model)
+    before = zf.gather_params(state)
+    off = zf.offload_states(state, device="nvme", path=str(tmp_path / "made" / "deeper"))
+    assert os.path.dirname(off.file) == str(tmp_path / "made" / "deeper")
+    state = zf.reload_states(off)
+    assert os.listdir(tmp_path) == []
+    after = zf.gather_params(state)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    (tmp_path / "mine").mkdir()
+    zf.offload_states(state, device="nvme", path=str(tmp_path / "mine" / "made")).close()
+    assert os.listdir(tmp_path) == ["mine"] and os.listdir(tmp_path / "mine") == []
 
 
 def test_a_failed_offload_leaves_the_state_usable_and_no_file(tmp_path, monkeypatch):
@@ -227,6 +247,10 @@ def test_a_failed_offload_leaves_the_state_usable_and_no_file(tmp_path, monkeypa
     monkeypatch.setattr(offload_files.OffloadFile, "append", failing)
     with pytest.raises(OSError, match="No space"):
         zf.offload_states(state, device="nvme", path=str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    calls.clear()
+    with pytest.raises(OSError, match="No space"):  # the folders it made go too
+        zf.offload_states(state, device="nvme", path=str(tmp_path / "made"))
     assert os.listdir(tmp_path) == []
     state, m = step(state, batch(1))  # usable, and unchanged
     ref = compose("zero3", llama(), "")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import buffers, coordinator, dist, swap
+from ..swap.folders import make_marked, remove_made
 from ..state import State, check_usable, mark_failed, memory_report
 from ..tree import Fault
 from .files import OffloadFile, read_into
@@ -124,7 +125,7 @@ class OffloadedState:
             record.reloaded = True
             record.storages.clear()
             if record.file is not None and os.path.exists(record.file):
-                os.remove(record.file)
+                _remove_file(record.file)
         self._held.close()
 
     @property
@@ -149,7 +150,8 @@ def offload_states(state: State, device: str = "cpu", path: str | None = None, i
     """Move the parts of ``state`` that are on the compute device off it (module docstring).
 
     ``device``: ``"cpu"`` (host memory; page-locked if ``pin_memory``, on CUDA) or ``"nvme"`` (a file
-    per rank in the existing folder ``path``). ``include``: the parts to move, by zfunc's names
+    per rank in the folder ``path``, made if missing and removed
+    again with the file when it made it). ``include``: the parts to move, by zfunc's names
     (``params``, ``frozen``, ``master``, ``optimizer``) or DeepSpeed's (``lp_params``, ``hp_params``,
     ``optim_states``; ``lp_grads`` and ``contiguous_grad_buffer`` name nothing, as zfunc keeps no
     gradient between steps); None: all. ``non_blocking``: the device-to-host copies of ``"cpu"``
@@ -159,9 +161,9 @@ def offload_states(state: State, device: str = "cpu", path: str | None = None, i
     device = getattr(device, "value", device)  # DeepSpeed's OffloadDeviceEnum
     if device not in DEVICES:
         raise ValueError(f"offload_states(device={device!r}): give 'cpu' (host memory) or 'nvme' (files under path=)")
-    if device == "nvme" and (path is None or not os.path.isdir(path)):
-        raise ValueError(f"offload_states(device='nvme', path={path!r}): give path=, an existing folder on a fast "
-                         "disk, where each rank writes its state's parts to a file")
+    if device == "nvme" and path is None:
+        raise ValueError("offload_states(device='nvme'): give path=, a folder on a fast disk (made if missing, as "
+                         "offload_nvme makes its own), where each rank writes its state's parts to a file")
     parts = chosen(include)
     if isinstance(state, OffloadedState):
         raise ValueError("this state is offloaded already: reload it (zf.reload_states) before offloading it again")
@@ -237,7 +239,7 @@ def reload_states(offloaded: OffloadedState, *, non_blocking: bool = False) -> S
             host_buffers.give(s.host, _copies_done(s.device) if non_blocking else None)
     record.storages.clear()
     if record.file is not None:
-        os.remove(record.file)
+        _remove_file(record.file)
     return state
 
 
@@ -247,6 +249,7 @@ def _copy_out(storages, device: str, path: str | None, pin: bool, non_blocking: 
     moved, taken, out = [], [], None
     try:
         if device == "nvme":
+            make_marked(path)  # with its missing parents, as offload_nvme makes its own; removed with the file
             out = OffloadFile(path, dist.rank())
         for storage in storages:
             data = _bytes(storage)
@@ -261,9 +264,17 @@ def _copy_out(storages, device: str, path: str | None, pin: bool, non_blocking: 
     except BaseException:
         if out is not None:
             out.discard()
+        if device == "nvme" and os.path.isdir(path):
+            remove_made(path)
         for host in taken:
             host_buffers.give(host)
         raise
+
+
+def _remove_file(file: str) -> None:
+    """Remove an offload's file, and the folders it made for it once they are empty."""
+    os.remove(file)
+    remove_made(os.path.dirname(file))
 
 
 def _release(state) -> None:

@@ -16,15 +16,23 @@ def fresh_folder(rank_dir: str) -> str:
     """A new ``state-XXXXXX`` folder under ``rank_dir``, made with its parents, each parent it
     made marked; tried again if another rank's store removed an empty parent in between."""
     for attempt in range(3):
-        made = _missing_folders(rank_dir)
         try:
-            os.makedirs(rank_dir, exist_ok=True)
-            for folder in made:
-                open(os.path.join(folder, _MADE), "a").close()
+            make_marked(rank_dir)
             return tempfile.mkdtemp(prefix="state-", dir=rank_dir)
         except FileNotFoundError:
             if attempt == 2:
                 raise
+
+
+def make_marked(path: str) -> None:
+    """``path`` made with whatever parents are missing, each folder made marked, so that
+    ``remove_made`` takes them away again once they are empty."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{path!r} is a file, not a folder: give a folder for the swap files")
+    made = _missing_folders(path)
+    os.makedirs(path, exist_ok=True)
+    for folder in made:
+        open(os.path.join(folder, _MADE), "a").close()
 
 
 def _missing_folders(path: str) -> list[str]:
