@@ -137,9 +137,7 @@ def test_the_parameter_tier_overlapped_equals_it_synchronous(world):
 
 
 def _step():
-    from test_offload_plan import Net
-
-    model = Net()
+    model = SeededNet()
 
     def loss_fn(params, b):
         return torch.nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
@@ -242,3 +240,35 @@ def test_sums_on_the_host_refuse_the_update_behind_the_next_forward():
 def test_accumulate_on_must_say_where():
     with pytest.raises(ValueError, match="accumulate_on must be 'device' or 'host'"):
         zf.offload_cpu(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-3)), accumulate_on="gpu")
+
+
+def test_overlap_follows_where_the_state_computes(monkeypatch):
+    """Left unset, overlap is on for a machine with CUDA, but a state that computes on the CPU runs
+    its update in the step (there the worker would share the step's own cores); given True, it runs
+    on the worker wherever the state computes."""
+    from zfunc.transforms.offload.host_update import UnitUpdates
+
+    started = []
+    real_start = UnitUpdates.start
+    monkeypatch.setattr(UnitUpdates, "start", lambda self, *a, **k: started.append(1) or real_start(self, *a, **k))
+    def steps(**kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+        def loss_fn(params, batch):
+            return zf.apply(model, params, batch[0]).pow(2).mean()
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.cuda, "is_available", lambda: True)  # a machine with CUDA, when the step is made
+            step = zf.zero3(zf.offload_cpu(zf.train_step(loss_fn, zf.optim.adamw(1e-2)), **kw))
+        assert next(t for t in step.transforms if t.family == "offload").overlap is not None  # on, as on CUDA
+        state = step.init(model)
+        for i in range(2):
+            state, _ = step(state, (torch.randn(3, 4),))
+        return zf.gather_params(state)
+
+    unset = steps()
+    assert started == []  # the CPU state's update ran in the step
+    given = steps(overlap=True)
+    assert len(started) == 2
+    assert all(torch.equal(unset[k], given[k]) for k in unset)

@@ -91,7 +91,7 @@ class HostState(NamedTuple):
 
 
 def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None,
-                   overlap: UnitUpdates | None = None) -> Optimizer:
+                   overlap: UnitUpdates | None = None, overlap_on_cpu: bool = True) -> Optimizer:
     """``optimizer`` run on the CPU over host copies; updated parameters copied back.
 
     Per unit of a ``Params``: a unit whose placement keeps its optimizer state on the device (an
@@ -99,7 +99,9 @@ def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None,
     each tensor to its device's kernel). ``record`` (if given) gets the update's times, the
     parameters updated on the host and the bytes copied, for the step's roofline. ``overlap``
     (an optimizer that ``defers``, over a ``Params``): the host units' arithmetic and uploads
-    run on its worker, unit by unit, and the update returns at once (zfunc.transforms.offload.host_update)."""
+    run on its worker, unit by unit, and the update returns at once (zfunc.transforms.offload.host_update);
+    ``overlap_on_cpu`` False: only for a state that computes on CUDA (the default, where nothing
+    would run beside the worker but the same cores)."""
 
     def init(params):
         homes = _host_units(params)
@@ -126,7 +128,8 @@ def host_optimizer(optimizer: Optimizer, pin: bool, record: dict | None = None,
         if kw.get("lowp_params") is not None:
             kw["lowp_params"] = _by_unit(kw["lowp_params"], homes, lambda t: to_host(t, pin))
         works: dict[int, list] = {}
-        deferring = overlap is not None and isinstance(params, Params) and None not in params.leaves
+        deferring = (overlap is not None and isinstance(params, Params) and None not in params.leaves
+                     and (overlap_on_cpu or dist.compute_device(params.spec.process_group).type == "cuda"))
         if deferring:
             kw["schedule"] = lambda i, w: works.setdefault(i, []).append(w)
         work, inner = apply_update(optimizer, grads, opt_state.inner, work, **kw)
@@ -271,11 +274,13 @@ class Offload(Transform):
         self.pin_memory = pin_memory
         self.delay, self.delay_after = delay, delay_after  # the delayed update (zfunc.transforms.offload.delayed)
         self.accumulate_on = accumulate_on
-        # the host update behind the next forward (zfunc.transforms.offload.host_update); default: where CUDA is
+        # the host update behind the next forward (zfunc.transforms.offload.host_update); default: for a state
+        # that computes on CUDA (decided per update: a CPU state on a machine with CUDA runs it in the step)
         if overlap and accumulate_on == "host":
             raise ValueError("offload_cpu: overlap=True cannot be combined with accumulate_on='host' (on an H200 the "
                              "update behind the next forward then differed from the synchronous one); leave overlap "
                              "unset, or use accumulate_on='device'")
+        self._overlap_on_cpu = bool(overlap)  # given True: wherever the state computes
         if overlap is None:  # the host sums' update runs after backward: see the error above
             overlap = torch.cuda.is_available() and accumulate_on != "host"
         self.overlap = UnitUpdates() if overlap else None
@@ -361,7 +366,7 @@ class Offload(Transform):
         return _HostHome(self._pin)
 
     def wrap_optimizer(self, optimizer):
-        host = host_optimizer(optimizer, self._pin, self._record, self.overlap)
+        host = host_optimizer(optimizer, self._pin, self._record, self.overlap, self._overlap_on_cpu)
         if not self.delay:
             return host
         return delayed_optimizer(host, HostState, self._pin, self.delay_after, self._record)
