@@ -100,17 +100,9 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=(), state_dty
         return AdamState(zero_count(), tree_map(zeros, params), tree_map(zeros, params), zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
-        p, spec = tree_flatten(params)
-        g = _grads_like(grads, p, params)
-        mu = _leaves_like(opt_state.mu, "opt_state.mu", p, spec, params)
-        nu = _leaves_like(opt_state.nu, "opt_state.nu", p, spec, params)
-        steps = counts_like(opt_state.steps, p, spec)
-        lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
-        hs = _hyper_at(hypers, int(opt_state.count), check)
-        lr = float(schedule_lr(int(opt_state.count)))
-        scale = 1.0 if info is None else info.scale
-        if info is not None:
-            info.lrs.append(lr)
+        p, g, (mu, nu), steps, lows, hs, scale = _begin(
+            grads, opt_state, params, info, lowp_params, hypers, check, schedule_lr,
+            trees=((opt_state.mu, "opt_state.mu"), (opt_state.nu, "opt_state.nu")))
 
         def work(groups):
             # One call per distinct step count and group (one in all but rare steps without
@@ -172,16 +164,10 @@ def sgd(
         return SgdState(zero_count(), bufs, zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
-        p_all, spec = tree_flatten(params)
-        g_all = _grads_like(grads, p_all, params)
-        steps = counts_like(opt_state.steps, p_all, spec)
-        lows = None if lowp_params is None else _lowp_like(lowp_params, p_all, spec)
-        bufs_all = _leaves_like(opt_state.momentum, "opt_state.momentum", p_all, spec, params) if has_momentum else None
-        hs = _hyper_at(hypers, int(opt_state.count), check)
-        lr = float(schedule_lr(int(opt_state.count)))
-        scale = 1.0 if info is None else info.scale
-        if info is not None:
-            info.lrs.append(lr)
+        p_all, g_all, trees, steps, lows, hs, scale = _begin(
+            grads, opt_state, params, info, lowp_params, hypers, check, schedule_lr,
+            trees=((opt_state.momentum, "opt_state.momentum"),) if has_momentum else ())
+        bufs_all = trees[0] if has_momentum else None
 
         def work(groups):
             for (step, label), parts in groups.items():
@@ -220,6 +206,24 @@ def sgd(
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
     return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
+
+
+def _begin(grads, opt_state, params, info: GradInfo | None, lowp_params, hypers, check, schedule_lr, *, trees=()):
+    """How every update opens, written once: the leaves of the parameters, of ``grads``, of each
+    ``(tree, what)`` of ``trees`` (the state's trees laid out like the parameters), of the step
+    counts and of ``lowp_params`` (None without), all checked against the parameters; each group's
+    hyperparameters at this update, and the gradients' scale. The lr it uses goes to ``info.lrs``."""
+    p, spec = tree_flatten(params)
+    g = _grads_like(grads, p, params)
+    leaves = [_leaves_like(tree, what, p, spec, params) for tree, what in trees]
+    steps = counts_like(opt_state.steps, p, spec)
+    lows = None if lowp_params is None else _lowp_like(lowp_params, p, spec)
+    count = int(opt_state.count)
+    hs = _hyper_at(hypers, count, check)
+    lr = float(schedule_lr(count))
+    if info is not None:
+        info.lrs.append(lr)
+    return p, g, leaves, steps, lows, hs, 1.0 if info is None else info.scale
 
 
 def _hyper_at(hypers: list[dict], count: int, check) -> list[dict]:
