@@ -15,56 +15,20 @@ import torch
 
 import zfunc as zf
 from zfunc.checkpoint import folders as checkpoint_folders
-from cases import _setup, compose, reference
-from models import batch, build, local
-from test_zero_equivalence import assert_close_to
+from assertions import assert_close_to
+from cases import reference
+from checkpoints import GLOBAL_BATCH, load_then_train, train_then_save
+from compositions import COMPOSITIONS
+from models import batch, build
 from workers import workers
 
-GLOBAL_BATCH = 6  # divides over W = 1, 2, 3
-COMPOSITIONS = {
-    "zero1": dict(stage=1),
-    "zero2": dict(stage=2),
-    "zero3": dict(stage=3),
-    "zero3_nvme": dict(stage=3, offload="nvme"),
-}
+HOW = {name: COMPOSITIONS[name] for name in ("zero1", "zero2", "zero3", "zero3-offload_nvme")}
 
 
-def _step(name, how, swap_dir):
-    rank, world, model, shape_model, loss_fn = _setup(name, {}, 0)
-    offload = {"kind": "nvme", "path": os.path.join(swap_dir, "swap")} if how.get("offload") == "nvme" else None
-    return model, shape_model, compose(how["stage"], loss_fn, offload=offload), rank, world
-
-
-def train_then_save(name: str, how: dict, steps: int, directory: str, device: str = "cpu") -> dict:
-    """``device``: where the model and batches live (``"cuda"`` under a nccl group)."""
-    model, shape_model, step, rank, world = _step(name, how, directory)
-    state = step.init(model.to(device))
-    for i in range(steps):
-        state, _ = step(state, local(batch(name, shape_model, i, GLOBAL_BATCH, 0, device), rank, world))
-    zf.checkpoint.save(state, os.path.join(directory, "ckpt"), f"step{steps}")
-    out = {"params": zf.gather_params(state)}
-    state.close()
-    return out
-
-
-def load_then_train(name: str, how: dict, start: int, steps: int, directory: str, tag=None,
-                    device: str = "cpu") -> dict:
-    model, shape_model, step, rank, world = _step(name, how, directory + f"-w{zf.dist.world_size()}")
-    state = step.init(model.to(device))
-    state, manifest = zf.checkpoint.load(state, os.path.join(directory, "ckpt"), tag)
-    loaded = zf.gather_params(state)
-    for i in range(start, start + steps):
-        state, _ = step(state, local(batch(name, shape_model, i, GLOBAL_BATCH, 0, device), rank, world))
-    out = {"loaded": loaded, "params": zf.gather_params(state), "count": int(state.count),
-           "manifest_world": manifest["world"], "devices": sorted({str(t.device) for t in state.params.leaves})}
-    state.close()
-    return out
-
-
-@pytest.mark.parametrize("composition", list(COMPOSITIONS))
+@pytest.mark.parametrize("composition", list(HOW))
 @pytest.mark.parametrize("name", ["gpt", pytest.param("odd_mlp", marks=pytest.mark.slow)])
 def test_save_at_two_load_at_one_and_three_trains_on_exactly(name, composition, tmp_path):
-    how = COMPOSITIONS[composition]
+    how = HOW[composition]
     expected = reference(name, {}, steps=5, batch_size=GLOBAL_BATCH)
     at_two = reference(name, {}, steps=2, batch_size=GLOBAL_BATCH)
     directory = str(tmp_path)

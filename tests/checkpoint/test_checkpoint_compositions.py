@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zfunc as zf
+from assertions import assert_close_to
 from cases import _setup, compose, reference
+from checkpoints import assert_same_numbers
 from models import batch, local
-from test_zero_equivalence import assert_close_to
 from workers import workers
 
 GLOBAL_BATCH = 6  # divides over W = 1, 2, 3
@@ -63,29 +64,11 @@ def load_resave_train(composition, directory: str) -> dict:
     return out
 
 
-def _assert_same_numbers(source: str, target: str) -> None:
-    """Every part of the target checkpoint holds the source's numbers (in the target's dtype)."""
-    src = zf.checkpoint.Saved(zf.checkpoint.resolve(source))
-    tgt = zf.checkpoint.Saved(zf.checkpoint.resolve(target))
-    fp32 = "master" if "master" in src.layouts else "params"  # the checkpoint's full-precision weights
-    for role, units in tgt.layouts.items():
-        if units == "tensor":
-            assert torch.equal(tgt.tensor(role), src.tensor(role).to(tgt.tensor(role).dtype)), role
-            continue
-        for i, unit in enumerate(units):
-            if unit is None or (unit["numel"] == 0 and tgt.files[0].entry(f"{role}#{i}")["shape"]):
-                continue  # an empty unit
-            expected = src.unit(fp32 if role in ("params", "master") else role, i)
-            got = tgt.unit(role, i)
-            assert got.dtype == (torch.bfloat16 if role == "params" and "master" in tgt.layouts else expected.dtype)
-            assert torch.equal(got, expected.to(got.dtype)), (role, i)
-
-
 def _check(source, w_source, target, w_target, tmp_path) -> None:
     directory = str(tmp_path)
     workers(w_source).run(train_then_save, source, directory)
     results = workers(w_target).run(load_resave_train, target, directory)
-    _assert_same_numbers(os.path.join(directory, "src"), os.path.join(directory, f"tgt-w{w_target}"))
+    assert_same_numbers(os.path.join(directory, "src"), os.path.join(directory, f"tgt-w{w_target}"))
     if not source[2] and not target[2]:  # fp32 both: training goes on as if never stopped
         expected = reference("gpt", {}, steps=BEFORE + AFTER, batch_size=GLOBAL_BATCH)
         for r in results:

@@ -29,22 +29,19 @@ from workers import workers
 
 import transformers  # noqa: E402  the [test] extra installs it
 import safetensors.torch as safetensors  # noqa: E402
+from hf import gpt2_config, llama_config, qwen2_config  # noqa: E402
 SHARD = 3000  # bytes: every model here is written in several shards
 HF_KEYS: dict[str, set] = {}
 
 
 def hf_model(kind: str):
     torch.manual_seed(0)
-    small = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=16)
     if kind == "gpt2":  # tied head; Conv1D weights
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        return transformers.GPT2LMHeadModel(gpt2_config())
     if kind == "llama":  # untied head; rotary inv_freq, a non-persistent buffer
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+        return transformers.LlamaForCausalLM(llama_config())
     if kind == "qwen2":  # tied head; q/k/v biases
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small, tie_word_embeddings=True))
+        return transformers.Qwen2ForCausalLM(qwen2_config(tie_word_embeddings=True))
     # T5: one weight under four names (shared, both embed_tokens, lm_head)
     return transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=50, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, dropout_rate=0.0,

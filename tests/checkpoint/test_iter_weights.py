@@ -10,6 +10,9 @@ import torch
 import zfunc as zf
 from zfunc.checkpoint.stream import iter_weights
 from zfunc.testing import memory
+from compositions import compose
+from hf import build, llama_config, tokens
+from peft_models import make_peft
 from workers import workers
 
 import transformers  # noqa: E402  the [test] extra installs it
@@ -22,25 +25,12 @@ def hf_model(kind: str, layers: int = 2, width: int = 16):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=50, n_positions=16, n_embd=width, n_layer=layers, n_head=2, bos_token_id=0, eos_token_id=0))
     if kind == "llama":  # untied head, a non-persistent rotary buffer
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=50, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+        return transformers.LlamaForCausalLM(llama_config(hidden_size=width, intermediate_size=2 * width,
+                                                          num_hidden_layers=layers))
     # GPT-NeoX: untied, biases, persistent-less rotary
     return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         vocab_size=50, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
         num_attention_heads=2, max_position_embeddings=16))
-
-
-def compose(how: str, step, swap: str):
-    if how == "zero1":
-        return zf.zero1(step)
-    if how == "bf16":
-        return zf.zero3(zf.mixed_precision(step, torch.bfloat16))
-    if how == "offload_cpu":
-        return zf.zero3(zf.offload_cpu(step))
-    if how == "offload_nvme":
-        return zf.zero3(zf.offload_nvme(step, swap))
-    return zf.zero3(step)
 
 
 def trained(kind: str, how: str, directory: str):
@@ -201,12 +191,9 @@ def test_bad_arguments_are_named():
 def peft_stream(kind: str, method: str, how: str, base: str, out: str):
     """A peft model trained under ``how``: the merged stream, the adapter's stream, and save_hf's
     merged folder and adapter folder of the same state."""
-    from test_peft_export import compose as peft_compose, make_peft
-    from test_hf_weights import tokens
-
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model = make_peft(kind, method)
-    step = peft_compose(how, zf.train_step(lambda p, x: zf.apply(model, p, input_ids=x, labels=x).loss,
+    step = compose(how, zf.train_step(lambda p, x: zf.apply(model, p, input_ids=x, labels=x).loss,
                                            zf.optim.adamw(1e-2)), os.path.join(out, f"swap-{rank}"))
     with step.init(model, weights=base) as state:
         for i in range(2):
@@ -231,8 +218,6 @@ def peft_stream(kind: str, method: str, how: str, base: str, out: str):
 def test_a_peft_model_streams_its_merged_weights_or_its_adapter(kind, method, how, world, tmp_path):
     """The merged stream is save_hf(merged=True)'s folder (merge_and_unload()'s weights, tested against
     peft in test_peft_export); the adapter's stream is the adapter file peft reads."""
-    from test_hf_weights import build
-
     base = tmp_path / "base"
     build(kind).save_pretrained(base)
     merged, adapter, errors = workers(world).run(peft_stream, kind, method, how, str(base), str(tmp_path))[0]

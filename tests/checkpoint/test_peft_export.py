@@ -16,30 +16,12 @@ import safetensors.torch as safetensors
 import torch
 
 import zfunc as zf
-from test_hf_weights import LR, build, tokens
-from test_peft_weights import peft_config
+from compositions import compose
+from hf import LR, build, tokens
+from peft_models import make_peft
 from workers import workers
 
 import transformers  # noqa: E402
-
-OTHER = {"gpt2": ["c_proj"], "llama": ["k_proj", "o_proj"], "qwen2": ["k_proj"]}
-
-
-def make_peft(kind: str, method: str, device: str = "meta"):
-    """``method``: one peft method of test_peft_weights, or "two": LoRA (``default``) and a second LoRA
-    (``other``, other modules) both active and trained."""
-    model = peft.get_peft_model(build(kind, device), peft_config(kind, "lora" if method == "two" else method))
-    if method == "two":
-        model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=4, target_modules=OTHER[kind], lora_dropout=0.0))
-        model.base_model.set_adapter(["default", "other"])
-    return model
-
-
-def compose(how: str, step, swap: str):
-    return {"zero3": lambda: zf.zero3(step), "zero1": lambda: zf.zero1(step),
-            "bf16": lambda: zf.zero3(zf.mixed_precision(step, torch.bfloat16)),
-            "offload_nvme": lambda: zf.zero3(zf.offload_nvme(step, swap))}[how]()
-
 
 def train_and_save(kind: str, method: str, how: str, base: str, out: str, steps: int = 2) -> dict:
     """On each rank: the meta-built peft model read from ``base`` under ``how``, ``steps`` steps, then its

@@ -7,6 +7,7 @@ import transformers
 
 import zfunc as zf
 import zfunc.materialize
+from hf import gpt2_config, llama_config
 from workers import workers
 
 VOCAB = 50
@@ -15,14 +16,10 @@ VOCAB = 50
 def build(kind: str, layers: int = 2):
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=layers, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = gpt2_config(vocab_size=VOCAB, n_positions=32, n_layer=layers, pad_token_id=0)
         return transformers.GPT2LMHeadModel(cfg).eval()
     if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
-                                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                                       max_position_embeddings=32, pad_token_id=0)
+        cfg = llama_config(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=32, pad_token_id=0)
         return transformers.LlamaForCausalLM(cfg).eval()
     cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                      num_hidden_layers=layers, num_attention_heads=2, max_position_embeddings=32,

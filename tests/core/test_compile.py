@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import zfunc as zf
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from cases import compiled, reference, reference_mixed, run_composed
-from test_precision import U, _check
-from test_zero_equivalence import assert_close_to
+from compositions import without_stage
 from zfunc.testing import assert_trees_all_close
+from models import DEEP_MLP as MLP
 from workers import workers
 
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 KW = {"deep_mlp": MLP}
 AOT = {"backend": "aot_eager"}
 HOW = {
@@ -29,15 +29,17 @@ HOW = {
     "jit": {"how": "jit", **AOT},
     "regather": {"how": "jit", "regather": True, **AOT},  # zf.jit gathering again in backward
 }
+# the shared compositions without their stage (drawn here), and three of this file's own: fp16 under a
+# dynamic loss scale, NVMe with small buffers, the coordinator's prefetch
 COMPOSITIONS = {
     "fp32": {},
-    "bf16": {"precision": {"dtype": torch.bfloat16}},
+    "bf16": without_stage("zero3-bf16"),
     "fp16": {"precision": {"dtype": torch.float16, "loss_scale": "dynamic"}},
-    "accumulate": {"micro": 2},
-    "bf16+accumulate": {"precision": {"dtype": torch.bfloat16}, "micro": 2},
-    "offload_cpu": {"offload": {"kind": "cpu"}},
+    "accumulate": without_stage("zero3-accumulate"),
+    "bf16+accumulate": without_stage("zero3-bf16-accumulate"),
+    "offload_cpu": without_stage("zero3-offload_cpu"),
     "offload_nvme": {"offload": {"kind": "nvme", "path": "/tmp/zfunc-compile-swap", "buffer_size": 1e5}},
-    "clip": {"clip": 0.05},
+    "clip": without_stage("zero3-clip"),
     "prefetch": {"prefetch": True},
 }
 
@@ -57,7 +59,7 @@ def _same(a: dict, b: dict, composition: str) -> None:
     """The compiled run equals the eager one: fp32 to 1e-5 (aot_eager runs the same kernels, in
     the order autograd would; a reduction may still be fused differently), lower precision to
     a few units of its roundoff of the master weights' step."""
-    rel = 1e-5 if "bf16" not in composition and "fp16" not in composition else 4 * U[
+    rel = 1e-5 if "bf16" not in composition and "fp16" not in composition else 4 * UNIT_ROUNDOFF[
         torch.bfloat16 if "bf16" in composition else torch.float16]
     _close(a["params"], b["params"], rel)
     assert [h["loss"] for h in a["history"]] == pytest.approx([h["loss"] for h in b["history"]], rel=rel, abs=1e-6)
@@ -116,7 +118,7 @@ def test_compiled_blocks_in_low_precision_match_pytorch(dtype):
                                loss_scale=1024.0 if dtype == torch.float16 else 1.0)
     for r in workers(2).run(run_composed, "deep_mlp", MLP, 3, 3, 4, 0, precision, None, None, False, None,
                             False, None, None, HOW["fullgraph"]):
-        _check(r["params"], expected["params"], init, U[dtype], False)
+        assert_within_roundoff(r["params"], expected["params"], init, UNIT_ROUNDOFF[dtype], False)
 
 
 @pytest.mark.parametrize("how", ["blocks", pytest.param("jit", marks=pytest.mark.slow)])

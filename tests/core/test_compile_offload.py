@@ -15,9 +15,9 @@ from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
 import zfunc as zf
+from assertions import UNIT_ROUNDOFF
 from cases import compose
 from models import batch, build, local, loss
-from test_precision import U
 from zfunc.testing import assert_trees_all_close
 from workers import workers
 
@@ -60,11 +60,10 @@ class _Counting:
 
 def _llama():
     import transformers
+    from hf import llama_config
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = transformers.LlamaForCausalLM(llama_config())
     model.config.use_cache = False
     return model
 
@@ -119,7 +118,7 @@ def run_offloaded(name: str, stage: int, offload: str, how: str | None, precisio
 
 
 def _same(got: dict, want: dict, precision, rel: float = 1e-5) -> None:
-    rel = rel if precision is None else 4 * U[precision]
+    rel = rel if precision is None else 4 * UNIT_ROUNDOFF[precision]
     scale = max(v.abs().max().item() for v in want["params"].values())
     assert_trees_all_close(got["params"], want["params"], rtol=rel, atol=rel * scale)
     assert [h["loss"] for h in got["history"]] == pytest.approx([h["loss"] for h in want["history"]], rel=rel,

@@ -9,9 +9,9 @@ import warnings
 import pytest
 
 import zfunc as zf
+from assertions import assert_close_to
 from cases import _setup, reference, run_zfunc
 from models import batch, local
-from test_zero_equivalence import assert_close_to
 from workers import workers
 
 ON_DEMAND = {"prefetch_bucket_size": 0}

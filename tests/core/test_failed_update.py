@@ -305,7 +305,7 @@ def pipeline_fault_run(stages: int, zero_stage: int, failing: int, k: int) -> di
     """A pipeline of ``stages`` (zero inside each stage's data-parallel group): a clean batch, then
     one whose update breaks after ``k`` tensors on rank ``failing`` alone; then train_batch,
     eval_batch and save_checkpoint twice each. Returns what each raised and how long it took."""
-    from test_pipeline import config, micro_batch, pipe
+    from pipelines import config, micro_batch, pipe
 
     rank = zf.dist.rank()
     engine = zf.initialize(pipe(stages), config(2, zero_stage))

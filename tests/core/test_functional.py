@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 import zfunc as zf
 from zfunc.pytree import tree_leaves, tree_map
+from assertions import assert_close_to
 from cases import reference, run_research_step
 from models import batch, build
-from test_zero_equivalence import assert_close_to
 from workers import workers
 
 

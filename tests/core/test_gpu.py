@@ -8,44 +8,15 @@ import copy
 import pytest
 import torch
 
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from cases import reference, reference_mixed, run_composed
+from checkpoints import GLOBAL_BATCH, load_then_train, train_then_save
+from compositions import COMPOSITIONS, FP16_SCALE
 from models import build
-from test_precision import U, _check
-from test_zero_equivalence import assert_close_to
 from workers import workers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and nccl (the GPU machine)")
 
-FP16_SCALE = 1024.0
-COMPOSITIONS = {
-    "zero0": {"stage": 0},
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero3": {"stage": 3},
-    "zero3-clip": {"stage": 3, "clip": 0.05},
-    "zero2-accumulate": {"stage": 2, "micro": 2},
-    "zero3-accumulate": {"stage": 3, "micro": 2},
-    "zero3-bf16": {"stage": 3, "precision": {"dtype": torch.bfloat16}},
-    "zero1-fp16": {"stage": 1, "precision": {"dtype": torch.float16, "loss_scale": FP16_SCALE}},
-    "zero3-fp16": {"stage": 3, "precision": {"dtype": torch.float16, "loss_scale": FP16_SCALE}},
-    "zero3-bf16-accumulate": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2},
-    "zero2-offload_cpu": {"stage": 2, "offload": {"kind": "cpu"}},
-    "zero3-offload_cpu": {"stage": 3, "offload": {"kind": "cpu"}},
-    "zero3-bf16-offload_cpu": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "cpu"}},
-    "zero3-offload_params_cpu": {"stage": 3, "offload": {"kind": "cpu", "params": True}},
-    # half the units' updates on the GPU, half on the host, in one call (offload_cpu's ratio)
-    "zero3-bf16-offload_cpu-split": {"stage": 3, "precision": {"dtype": torch.bfloat16},
-                                     "offload": {"kind": "cpu", "ratio": 0.5}},
-    # the last micro-batch's sums leave the GPU in backward (GradSink), the update finds them home
-    "zero3-bf16-accumulate-offload_cpu": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2,
-                                          "offload": {"kind": "cpu"}},
-    "zero2-accumulate-offload_cpu-split": {"stage": 2, "micro": 2, "offload": {"kind": "cpu", "ratio": 0.5}},
-    # each micro-batch's reduced shard copied down and summed in pinned host memory
-    "zero3-bf16-accumulate-offload_cpu-host_sums": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "micro": 2,
-                                                    "offload": {"kind": "cpu", "accumulate_on": "host"}},
-    "zero3-bf16-offload_nvme": {"stage": 3, "precision": {"dtype": torch.bfloat16}, "offload": {"kind": "nvme"}},
-    "zero3-offload_nvme": {"stage": 3, "offload": {"kind": "nvme"}},
-}
 MODELS = {"gpt": {}, "checkpointed": {}, "external": {}, "frozen_bn": {}}
 
 
@@ -102,17 +73,15 @@ def test_composition_on_cuda_equals_cpu_and_pytorch(composition, name, tmp_path)
         for k in untouched:
             assert torch.equal(gpu["params"][k], init[k]) and torch.equal(cpu["params"][k], init[k]), k
         trained = {k: v for k, v in expected["params"].items() if k not in frozen | untouched}
-        _check(gpu["params"], trained, init, U[dtype], False)
-        _check(gpu["params"], {k: cpu["params"][k] for k in trained}, init, U[dtype], False)
+        assert_within_roundoff(gpu["params"], trained, init, UNIT_ROUNDOFF[dtype], False)
+        assert_within_roundoff(gpu["params"], {k: cpu["params"][k] for k in trained}, init, UNIT_ROUNDOFF[dtype], False)
 
 
 @pytest.mark.parametrize("composition", ["zero1", "zero3"])
 def test_checkpoints_move_between_gpu_and_cpu_states_at_other_world_sizes(composition, tmp_path):
     """Saved by two CPU ranks, loaded by one GPU rank and trained on; saved by that GPU rank,
     loaded by three CPU ranks: each equals plain PyTorch trained without a break."""
-    from test_checkpoint import COMPOSITIONS as HOW, GLOBAL_BATCH, load_then_train, train_then_save
-
-    how = HOW[composition]
+    how = COMPOSITIONS[composition]
     expected = {n: reference("gpt", {}, steps=n, batch_size=GLOBAL_BATCH)["params"] for n in (2, 5, 8)}
     workers(2).run(train_then_save, "gpt", how, 2, str(tmp_path / "cpu"))
     (r,) = workers(1, "nccl").run(load_then_train, "gpt", how, 2, 3, str(tmp_path / "cpu"), None, "cuda")
@@ -157,11 +126,11 @@ def test_the_update_of_gpu_states_runs_the_cuda_adam_kernel():
 def built_on_the_cpu_made_on_the_gpu() -> dict:
     import transformers
     import zfunc as zf
+    from hf import llama_config
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(  # on the CPU, rotary buffers too
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=16))
+    model = transformers.LlamaForCausalLM(  # on the CPU, rotary buffers too
+        llama_config(vocab_size=64, hidden_size=32, intermediate_size=64))
     plain = copy.deepcopy(model).cuda()
 
     def loss_fn(params, x):
@@ -206,7 +175,7 @@ def test_two_ranks_share_one_gpu_over_gloo(composition, tmp_path):
             assert_close_to(gpu["params"], cpu["params"])
         else:
             init = reference("gpt", {}, steps=0)["params"]
-            _check(gpu["params"], cpu["params"], init, U[c["precision"]["dtype"]], False)
+            assert_within_roundoff(gpu["params"], cpu["params"], init, UNIT_ROUNDOFF[c["precision"]["dtype"]], False)
     if c.get("precision") is None:
         expected = reference("gpt", {}, steps=3, batch_size=8, device="cuda")
         assert_close_to(runs["cuda"][0]["params"], expected["params"])

@@ -7,23 +7,19 @@ import pytest
 import torch
 
 import zfunc as zf
-from test_zero_equivalence import assert_close_to
+from assertions import assert_close_to
 from workers import workers
 
 transformers = pytest.importorskip("transformers")  # the [test] extra installs it
+from hf import gpt2_config, llama_config  # noqa: E402
 STEPS = 3
 
 
 def build(kind: str):
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                      bos_token_id=0, eos_token_id=0)
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
-    return transformers.LlamaForCausalLM(cfg)
+        return transformers.GPT2LMHeadModel(gpt2_config())
+    return transformers.LlamaForCausalLM(llama_config())
 
 
 def tokens(step: int, size: int) -> torch.Tensor:

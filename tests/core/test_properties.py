@@ -2,8 +2,8 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from assertions import assert_close_to
 from cases import is_linear, reference, run_zfunc
-from test_zero_equivalence import assert_close_to
 from workers import workers
 
 

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from cases import reference, reference_mixed, run_composed
+from checkpoints import GLOBAL_BATCH, load_then_train, train_then_save
+from compositions import COMPOSITIONS
 from models import batch, build, loss
-from test_checkpoint import GLOBAL_BATCH, load_then_train, train_then_save
-from test_precision import U, _check
-from test_zero_equivalence import assert_close_to
 from workers import workers
 from zfunc.ops import adam, cpu_adam, cuda_adam
 from zfunc.checkpoint import sharded as checkpoint_format
@@ -63,7 +63,7 @@ def _fp32_equals_torch(name: str, got: dict, expected: dict, init: dict) -> None
 def _bf16_equals_torch(name: str, got: dict, expected: dict, init: dict) -> None:
     _untouched(name, got, init)
     trained = {k: v for k, v in expected.items() if k not in NEVER_READ[name]}
-    _check(got, trained, init, U[torch.bfloat16], False)
+    assert_within_roundoff(got, trained, init, UNIT_ROUNDOFF[torch.bfloat16], False)
 
 
 def _comparable(name: str, world: int) -> bool:
@@ -211,7 +211,7 @@ def test_checkpoints_keep_each_parameters_count(tmp_path):
     trained on: ``extra``'s own count came back, so it equals torch trained without a break."""
     directory = str(tmp_path)
     workers(2).run(train_then_save, "sometimes", {"stage": 3}, 1, directory)
-    (r,) = workers(1).run(load_then_train, "sometimes", {"stage": 3, "offload": "nvme"}, 1, 2, directory)
+    (r,) = workers(1).run(load_then_train, "sometimes", COMPOSITIONS["zero3-offload_nvme"], 1, 2, directory)
     assert_close_to(r["params"], reference("sometimes", {}, steps=3, batch_size=GLOBAL_BATCH)["params"])
 
 

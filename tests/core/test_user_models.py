@@ -3,8 +3,8 @@ forward, activation checkpointing, blocks skipped by control flow, meta-device i
 Each equals plain PyTorch (torch.optim.AdamW with its defaults) on the global batch."""
 import pytest
 
+from assertions import assert_close_to
 from cases import init_state, reference, run_zfunc
-from test_zero_equivalence import assert_close_to
 from workers import workers
 from zfunc.testing import assert_trees_all_equal
 

@@ -330,16 +330,13 @@ def test_warmup_reference_is_not_flat():
 
 def hf_model(kind: str):
     import transformers
+    from hf import gpt2_config, llama_config
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        return transformers.GPT2LMHeadModel(gpt2_config())
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=16))
+        return transformers.LlamaForCausalLM(llama_config())
     return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import zfunc as zf
 import zfunc.deepspeed as zds
-from test_script_against_deepspeed import Net, dataset
+from deepspeed_script import Net, dataset
 from workers import workers
 
 CONFIGS = [

@@ -3,11 +3,9 @@
 parameters, and the fp32 master weights under mixed precision; moments kept), so training goes on as
 plain PyTorch goes on after the same change; ``modifier_rank=None`` discards it; bad uses are named."""
 import shutil
-import tempfile
 
 import pytest
 import torch
-import transformers
 from torch import nn
 
 import zfunc as zf
@@ -15,41 +13,8 @@ import zfunc.deepspeed as deepspeed
 from zfunc.checkpoint.sharded import _parts
 from zfunc.state import unit_values
 from zfunc.tree import Params
+from deepspeed_models import EPS, LR, batch, build, config, loss_of
 from workers import workers
-
-VOCAB = 50
-LR = 1e-2
-EPS = 1e-4  # Adam's eps above the gradients' rounding, so an update is a smooth function of its gradient
-
-
-def build(kind: str):
-    torch.manual_seed(0)
-    if kind == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-    if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=32))
-    return Plain()
-
-
-class Plain(nn.Module):
-    """A plain PyTorch model that computes its own loss from ``input_ids`` and ``labels``."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
-        self.head = nn.Linear(16, VOCAB)
-
-    def forward(self, input_ids, labels):
-        h = self.embed(input_ids)
-        for block in self.blocks:
-            h = h + block(h)
-        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
-
 
 # the change made inside the block: an embedding scaled, a bias (Llama: a norm) set
 CHANGED = {"gpt2": ("transformer.wte.weight", "transformer.h.0.attn.c_attn.bias"),
@@ -63,32 +28,6 @@ def change(params: dict, rank: int) -> None:
         emb, other = params.values()
         emb.mul_(0.5 if rank == 0 else 0.25)
         other.fill_(0.0 if rank == 0 else 1.0)
-
-
-def batch(seed: int) -> dict:
-    x = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": x, "labels": x}
-
-
-def loss_of(out):
-    return out if isinstance(out, torch.Tensor) else out.loss
-
-
-def config(composition: str, world: int) -> dict:
-    stage, *extras = composition.split("+")
-    zero = {"stage": int(stage[-1])}
-    if "cpu" in extras:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if "nvme" in extras:  # parameters and optimizer state in swap files
-        folder = tempfile.mkdtemp(prefix="zfunc-gathered-")
-        zero["offload_param"] = {"device": "nvme", "nvme_path": folder}
-        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": folder}
-    cfg = {"train_batch_size": 2 * world, "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
-           "gradient_clipping": 0.0,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.01}}}
-    if "bf16" in extras:
-        cfg["bf16"] = {"enabled": True}
-    return cfg
 
 
 def plain_run(kind: str, world: int, steps: int, at: int, modifier: int | None) -> dict:

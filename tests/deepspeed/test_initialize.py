@@ -15,7 +15,7 @@ from torch.utils.data import DistributedSampler
 
 import zfunc as zf
 import zfunc.deepspeed as zds
-from test_script_against_deepspeed import Net, dataset, ds_config
+from deepspeed_script import Net, dataset, ds_config
 from workers import workers
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -235,7 +235,7 @@ def test_param_groups_in_model_parameters_with_the_configs_optimizer():
 def pipeline_through_the_face() -> tuple:
     """zf's pipeline engine through zfunc.deepspeed.initialize: the same losses as zf.initialize's,
     the config's optimizer and schedule in the returned views."""
-    from test_pipeline import config, micro_batch, pipe
+    from pipelines import config, micro_batch, pipe
 
     cfg = config(2, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 0.01}})
     engine, optimizer, loader, scheduler = zds.initialize(model=pipe(2), config=cfg)

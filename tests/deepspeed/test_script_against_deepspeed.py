@@ -11,41 +11,12 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from deepspeed_script import Net, dataset, ds_config
 from workers import fresh_workers
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), nn.Tanh()) for _ in range(2))
-        self.head = nn.Linear(12, 3)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def dataset(n: int = 48):
-    g = torch.Generator().manual_seed(7)
-    return torch.utils.data.TensorDataset(torch.randn(n, 12, generator=g), torch.randint(0, 3, (n,), generator=g))
-
-
-def ds_config(stage: int, gas: int, world: int) -> dict:
-    return {
-        "train_batch_size": 4 * gas * world,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "betas": [0.8, 0.99], "weight_decay": 0.01,
-                                                   "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
-                                                     "warmup_num_steps": 3, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
-    }
 
 
 def _engine(deepspeed, args):

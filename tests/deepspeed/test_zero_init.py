@@ -12,17 +12,9 @@ from torch import nn
 
 import zfunc as zf
 import zfunc.deepspeed as deepspeed
-from test_gathered_parameters import EPS, LR, Plain, batch, build, config, loss_of
-from test_hf_meta_init import assert_same_init
+from assertions import assert_same_init
+from deepspeed_models import EPS, HF, LR, Plain, batch, build, config, loss_of
 from workers import workers
-
-HF = {"gpt2": ("GPT2LMHeadModel", lambda: transformers.GPT2Config(
-    vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    bos_token_id=0, eos_token_id=0)),
-      "llama": ("LlamaForCausalLM", lambda: transformers.LlamaConfig(
-          vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-          num_key_value_heads=1, max_position_embeddings=32))}
-
 
 def built_normally(kind: str, seed: int) -> dict:
     torch.manual_seed(seed)

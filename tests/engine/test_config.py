@@ -4,7 +4,6 @@ The written-out numbers here are DeepSpeed 0.19's; the tests at the end compare
 them with the ``deepspeed`` package itself (in the test extra, so CI runs them too).
 """
 import json
-import os
 import warnings
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepspeed_oracle import real_deepspeed
 from zfunc.engine import config as zc
 from zfunc.optim import lr as ls
 
@@ -577,18 +577,8 @@ def test_deepspeeds_zero_infinity_docs_config_parses_as_is():
 # ------------------------------------------------------- against DeepSpeed itself
 
 
-def _deepspeed():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probing on a CPU machine
-    import logging
-
-    import deepspeed as ds
-
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    return ds
-
-
 def test_zero_and_precision_defaults_match_deepspeeds():
-    _deepspeed()
+    real_deepspeed()
     from deepspeed.runtime import constants
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
@@ -620,7 +610,7 @@ def test_zero_and_precision_defaults_match_deepspeeds():
 
 
 def test_optimizer_defaults_match_deepspeeds():
-    _deepspeed()
+    real_deepspeed()
     import inspect
 
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
@@ -652,7 +642,7 @@ def _json_default(value):
 def test_every_deepspeed_zero_fp16_bf16_key_is_known():
     """No key DeepSpeed's config models define is 'unknown' here: each is used,
     ignored, or refused as not supported yet."""
-    _deepspeed()
+    real_deepspeed()
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
@@ -683,7 +673,7 @@ def test_every_deepspeed_zero_fp16_bf16_key_is_known():
 
 
 def test_deepspeed_accepts_the_docs_config_and_agrees():
-    _deepspeed()
+    real_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
     raw = json.loads(DOCS_ZERO_INFINITY)
@@ -702,7 +692,7 @@ def test_deepspeed_accepts_the_docs_config_and_agrees():
 
 @pytest.mark.parametrize("given_", [{TBS: 12, GAS: 3}, {TBS: 12, MBS: 2}, {MBS: 3, GAS: 2}, {TBS: 5}, {MBS: 4}])
 def test_batch_arithmetic_matches_deepspeed_at_world_size_one(given_):
-    _deepspeed()
+    real_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
     theirs, ours = DeepSpeedConfig(dict(given_)), zc.parse(given_, 1)

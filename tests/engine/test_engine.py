@@ -7,43 +7,23 @@ import pytest
 import torch
 
 import zfunc as zf
+from assertions import assert_close_to
 from cases import LR
+from engines import GLOBAL_MICRO, engine_config, gpt_loss, hf_batch, hf_gpt2, hf_reference, micro_batches
 from models import batch, build, local, loss
-from test_zero_equivalence import assert_close_to
 from workers import workers
-
-GLOBAL_MICRO = 6  # examples per micro-batch over all ranks: splits over W = 1, 2, 3
-
-
-def _config(stage: int, gas: int = 2, **extra) -> dict:
-    return {"train_batch_size": GLOBAL_MICRO * gas, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage}, **extra}
-
-
-def _micro_batches(name, model, rank, world, gas, start=0):
-    """This rank's micro-batches, step after step: global micro-batch k is batch(name, k)."""
-    k = start * gas
-    while True:
-        yield local(batch(name, model, k, GLOBAL_MICRO), rank, world)
-        k += 1
-
-
-def _gpt_loss(model, b):
-    return loss("gpt", model(b[0]), b[1])
-
 
 def engine_run(config: dict, steps: int, imperative: bool = False, save_at: int | None = None,
                directory: str | None = None, load: bool = False) -> dict:
     model = build("gpt")
     shape = copy.deepcopy(model)
     rank, world = zf.dist.rank(), zf.dist.world_size()
-    engine = zf.initialize(model, config, loss_fn=_gpt_loss)
+    engine = zf.initialize(model, config, loss_fn=gpt_loss)
     start = 0
     if load:
         engine.load_checkpoint(directory)
         start = engine.global_steps
-    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps(), start)
+    data = micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps(), start)
     losses = []
     for i in range(steps):
         if imperative:
@@ -77,7 +57,7 @@ def by_hand(stage: int, steps: int, gas: int, clip: float, precision: str | None
         step = zf.mixed_precision(step, torch.bfloat16)
     step = {1: zf.zero1, 2: zf.zero2, 3: lambda s: zf.zero3(s, persistence_threshold=100_000)}[stage](step)
     state = step.init(model)
-    data = _micro_batches("gpt", shape, rank, world, gas)
+    data = micro_batches("gpt", shape, rank, world, gas)
     losses = []
     for _ in range(steps):
         state, metrics = step(state, [next(data) for _ in range(gas)])
@@ -87,7 +67,7 @@ def by_hand(stage: int, steps: int, gas: int, clip: float, precision: str | None
 
 @pytest.mark.parametrize("stage,precision", [(1, None), (2, "bf16"), (3, None), (3, "bf16")])
 def test_train_batch_equals_the_step_composed_by_hand(stage, precision):
-    config = _config(stage, gradient_clipping=0.5, **({"bf16": {"enabled": True}} if precision else {}))
+    config = engine_config(stage, gradient_clipping=0.5, **({"bf16": {"enabled": True}} if precision else {}))
     for e, h in zip(workers(2).run(engine_run, config, 3), workers(2).run(by_hand, stage, 3, 2, 0.5, precision)):
         assert e["losses"] == h["losses"]
         for k in h["params"]:
@@ -96,7 +76,7 @@ def test_train_batch_equals_the_step_composed_by_hand(stage, precision):
 
 
 def test_the_imperative_style_gives_the_same_steps():
-    config = _config(3)
+    config = engine_config(3)
     for a, b in zip(workers(2).run(engine_run, config, 3), workers(2).run(engine_run, config, 3, True)):
         assert a["losses"] == b["losses"]
         for k in a["params"]:
@@ -104,7 +84,7 @@ def test_the_imperative_style_gives_the_same_steps():
 
 
 def composed(config: dict) -> tuple[str, str]:
-    engine = zf.initialize(build("gpt"), config, loss_fn=_gpt_loss)
+    engine = zf.initialize(build("gpt"), config, loss_fn=gpt_loss)
     out = engine.step_fn.composition, engine.eval_fn.composition
     engine.close()
     return out
@@ -115,7 +95,7 @@ def test_offload_param_to_cpu_composes_the_cpu_tier(precision, imperative):
     """``offload_param: {"device": "cpu"}`` is ``zero3(offload_cpu(f, params=True))``; on the CPU it
     trains bit for bit as zero3 without it (with or without offload_optimizer)."""
     extra = {"bf16": {"enabled": True}} if precision else {}
-    plain = _config(3, gradient_clipping=0.5, **extra)
+    plain = engine_config(3, gradient_clipping=0.5, **extra)
     plain["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # else gpt's units all stay whole
     tier = copy.deepcopy(plain)
     tier["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -134,7 +114,7 @@ def test_offload_param_to_cpu_composes_the_cpu_tier(precision, imperative):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_engine_checkpoint_at_two_resumes_at_one_and_three(stage, tmp_path):
     """Counters, the schedule and the weights carry over; training goes on as if uninterrupted."""
-    config = _config(stage, scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 3,
+    config = engine_config(stage, scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 3,
                                                                       "warmup_type": "linear"}})
     directory = str(tmp_path / "ckpt")
     [whole, _] = workers(2).run(engine_run, config, 4)
@@ -150,15 +130,15 @@ def eval_then_train(config: dict) -> dict:
     model = build("gpt")
     shape = copy.deepcopy(model)
     rank, world = zf.dist.rank(), zf.dist.world_size()
-    engine = zf.initialize(model, config, loss_fn=_gpt_loss)
-    evaluated = float(engine.eval_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())))
+    engine = zf.initialize(model, config, loss_fn=gpt_loss)
+    evaluated = float(engine.eval_batch(micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())))
     before = engine.params()
-    trained = float(engine.train_batch(_micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())))
+    trained = float(engine.train_batch(micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())))
     return {"eval": evaluated, "train": trained, "unchanged": before, "steps": engine.global_steps}
 
 
 def test_eval_batch_is_the_loss_without_the_update():
-    for r in workers(2).run(eval_then_train, _config(3)):
+    for r in workers(2).run(eval_then_train, engine_config(3)):
         assert r["eval"] == pytest.approx(r["train"], rel=1e-6) and r["steps"] == 1
 
 
@@ -176,7 +156,7 @@ def _print_run() -> str:
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        engine_run(_config(3, gas=1, steps_per_print=2), 4)
+        engine_run(engine_config(3, gas=1, steps_per_print=2), 4)
     return err.getvalue()
 
 
@@ -188,46 +168,29 @@ def test_repeating_loader_cycles():
 def test_bad_use_is_named():
     model = build("gpt")
     with pytest.raises(ValueError, match="both in the config"):
-        zf.initialize(model, _config(3), loss_fn=_gpt_loss, optimizer=zf.optim.adamw(1e-3))
-    config = _config(3)
+        zf.initialize(model, engine_config(3), loss_fn=gpt_loss, optimizer=zf.optim.adamw(1e-3))
+    config = engine_config(3)
     del config["optimizer"]
     with pytest.raises(ValueError, match="no optimizer"):
-        zf.initialize(model, config, loss_fn=_gpt_loss)
-    engine = zf.initialize(build("gpt"), _config(3, gas=2), loss_fn=_gpt_loss)
+        zf.initialize(model, config, loss_fn=gpt_loss)
+    engine = zf.initialize(build("gpt"), engine_config(3, gas=2), loss_fn=gpt_loss)
     with pytest.raises(StopIteration, match="1 of the 2 micro-batches"):
         engine.train_batch(iter([local(batch("gpt", build("gpt"), 0, GLOBAL_MICRO), 0, 1)]))
     with pytest.raises(ValueError, match="single number, got a tensor of shape .* pass loss_fn"):
-        zf.initialize(build("gpt"), _config(3, gas=1)).train_batch(iter([torch.zeros(1, 6, dtype=torch.long)]))
+        zf.initialize(build("gpt"), engine_config(3, gas=1)).train_batch(iter([torch.zeros(1, 6, dtype=torch.long)]))
 
 
 # ----------------------------------------------------------------------- Hugging Face GPT-2
 
-import transformers  # noqa: E402  (the test extra has it)
-
-
-def _hf_model():
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def _hf_batch(k: int) -> dict:
-    """Global micro-batch k: 4 sequences of 12 tokens (labels = inputs; the model shifts them)."""
-    g = torch.Generator().manual_seed(100 + k)
-    x = torch.randint(0, 64, (4, 12), generator=g)
-    return {"input_ids": x, "labels": x}
-
-
 def hf_engine(steps: int, config: dict) -> dict:
-    model = _hf_model()
+    model = hf_gpt2()
     rank, world = zf.dist.rank(), zf.dist.world_size()
     engine = zf.initialize(model, config)
 
     def data():
         k = 0
         while True:
-            b = _hf_batch(k)
+            b = hf_batch(k)
             n = 4 // world
             yield {key: v[rank * n:(rank + 1) * n] for key, v in b.items()}
             k += 1
@@ -237,22 +200,6 @@ def hf_engine(steps: int, config: dict) -> dict:
     out = {"params": engine.params(), "losses": losses}
     engine.close()
     return out
-
-
-def hf_reference(steps: int, gas: int, clip: float) -> dict:
-    """Plain PyTorch: AdamW with its defaults, each step's micro-batches' mean loss, clip_grad_norm_."""
-    model = _hf_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    losses, k = [], 0
-    for _ in range(steps):
-        opt.zero_grad()
-        total = sum(model(**_hf_batch(k + j)).loss for j in range(gas)) / gas
-        k += gas
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(total.item())
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "losses": losses}
 
 
 @pytest.mark.parametrize("stage", [2, 3])

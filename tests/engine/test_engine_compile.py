@@ -14,8 +14,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import zfunc as zf
+from engines import engine_config, gpt_loss, micro_batches
 from models import build
-from test_engine import _config, _gpt_loss, _micro_batches
 from workers import workers
 from zfunc.engine import config as zc
 from zfunc.engine.compose import compose
@@ -45,8 +45,8 @@ def run(config: dict, steps: int = STEPS, compile_args: tuple | None = None, com
     model = build("gpt")
     shape = copy.deepcopy(model)
     rank, world = zf.dist.rank(), zf.dist.world_size()
-    engine = zf.initialize(model, config, loss_fn=_gpt_loss)
-    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())
+    engine = zf.initialize(model, config, loss_fn=gpt_loss)
+    data = micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps())
     losses, after_first = [], None
     for i in range(steps):
         if compile_args is not None and i == compile_at:
@@ -75,22 +75,22 @@ def _same(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def eager() -> dict:
-    return run(_config(3))
+    return run(engine_config(3))
 
 
 # ----------------------------------------------------------------- engine.compile
 
 
 def test_engine_compile_gives_the_eager_losses_and_compiles_once(eager):
-    r = run(_config(3), compile_args=(BACKEND,))
+    r = run(engine_config(3), compile_args=(BACKEND,))
     assert r["compiled"] and not eager["compiled"]
     _same(r, eager)
     assert r["new_graphs"] == 0
 
 
 def test_engine_compile_after_training_started_and_in_the_imperative_style(eager):
-    _same(run(_config(3), compile_args=(BACKEND, {"fullgraph": True}), compile_at=1), eager)
-    _same(run(_config(3), compile_args=(BACKEND,), imperative=True), eager)
+    _same(run(engine_config(3), compile_args=(BACKEND, {"fullgraph": True}), compile_at=1), eager)
+    _same(run(engine_config(3), compile_args=(BACKEND,), imperative=True), eager)
 
 
 def test_engine_compile_mirrors_deepspeeds_signature():
@@ -108,14 +108,14 @@ def test_engine_compile_twice():
     before the first step, refused after it."""
     model = build("gpt")
     shape = copy.deepcopy(model)
-    engine = zf.initialize(model, _config(3), loss_fn=_gpt_loss)
+    engine = zf.initialize(model, engine_config(3), loss_fn=gpt_loss)
     engine.compile("eager")
     impl = model.blocks[0]._compiled_call_impl
     engine.compile("eager")
     assert model.blocks[0]._compiled_call_impl is impl
     engine.compile(BACKEND)  # before the first step: recompiled with these
     assert model.blocks[0]._compiled_call_impl is not impl
-    engine.train_batch(_micro_batches("gpt", shape, 0, 1, 2))
+    engine.train_batch(micro_batches("gpt", shape, 0, 1, 2))
     engine.compile(BACKEND, {})
     with pytest.raises(ValueError, match="already compiled .*backend='aot_eager'.* trained 1 step"):
         engine.compile(BACKEND, {"fullgraph": True})
@@ -134,7 +134,7 @@ def test_engine_compile_twice():
 
 
 def test_config_enabled_compiles_the_blocks_at_initialize(eager):
-    r = run(_config(3, compile={"enabled": True, "backend": BACKEND, "kwargs": {"fullgraph": True}}))
+    r = run(engine_config(3, compile={"enabled": True, "backend": BACKEND, "kwargs": {"fullgraph": True}}))
     assert r["compiled"]
     _same(r, eager)
     assert r["new_graphs"] == 0
@@ -142,8 +142,8 @@ def test_config_enabled_compiles_the_blocks_at_initialize(eager):
 
 def test_config_backend_and_kwargs_reach_torch_compile():
     model = build("gpt")
-    engine = zf.initialize(model, _config(3, compile={"enabled": True, "backend": BACKEND,
-                                                      "kwargs": {"dynamic": False}}), loss_fn=_gpt_loss)
+    engine = zf.initialize(model, engine_config(3, compile={"enabled": True, "backend": BACKEND,
+                                                      "kwargs": {"dynamic": False}}), loss_fn=gpt_loss)
     assert engine._compiled == {"dynamic": False, "backend": BACKEND}
     assert all(block._compiled_call_impl is not None for block in model.blocks)
     engine.compile(BACKEND, {"dynamic": False})  # what the config did: nothing to do
@@ -152,14 +152,14 @@ def test_config_backend_and_kwargs_reach_torch_compile():
 
 def test_config_deepcompile_is_the_jit_step(eager):
     """DeepSpeed 0.19's way: deepcompile in the config, the backend given to engine.compile."""
-    r = run(_config(3, compile={"deepcompile": True}), compile_args=(BACKEND,))
+    r = run(engine_config(3, compile={"deepcompile": True}), compile_args=(BACKEND,))
     assert r["compiled"] and r["composition"].startswith("jit(zero3(")
     _same(r, eager)
     assert r["new_graphs"] == 0
 
 
 def test_deepcompile_with_nvme_offload_is_refused_at_initialize(tmp_path):
-    cfg = zc.parse(_config(3, compile={"deepcompile": True}, zero_optimization={
+    cfg = zc.parse(engine_config(3, compile={"deepcompile": True}, zero_optimization={
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}), 1)
     with pytest.raises(ValueError, match="'compile.deepcompile' = true with offload to nvme is not supported yet"):
         compose(cfg, zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1)))
@@ -175,22 +175,22 @@ def test_deepcompile_with_nvme_offload_is_refused_at_initialize(tmp_path):
 ])
 def test_config_section_errors(section, message):
     with pytest.raises(ValueError, match=message):
-        zc.parse(_config(3, compile=section), 1)
+        zc.parse(engine_config(3, compile=section), 1)
 
 
 def test_an_unknown_backend_is_named_at_initialize():
     with pytest.raises(ValueError, match="compile.backend 'inductr'.*did you mean 'inductor'"):
-        zf.initialize(build("gpt"), _config(3, compile={"enabled": True, "backend": "inductr"}), loss_fn=_gpt_loss)
+        zf.initialize(build("gpt"), engine_config(3, compile={"enabled": True, "backend": "inductr"}), loss_fn=gpt_loss)
 
 
 def test_the_section_is_read():
-    c = zc.parse(_config(3, compile={"enabled": True, "backend": BACKEND, "kwargs": {"mode": "default"},
+    c = zc.parse(engine_config(3, compile={"enabled": True, "backend": BACKEND, "kwargs": {"mode": "default"},
                                      "free_activation": True}), 1)
     assert c.compile == zc.CompileConfig(enabled=True, backend=BACKEND, kwargs={"mode": "default"})
     assert c.ignored == ("compile.free_activation",)  # tunes DeepCompile only
-    off = zc.parse(_config(3, compile={"enabled": False, "free_activation": True}), 1)
+    off = zc.parse(engine_config(3, compile={"enabled": False, "free_activation": True}), 1)
     assert not off.compile.on and off.ignored == ("compile",)  # compiles nothing: listed whole
-    auto = zc.parse(_config(3, compile={"enabled": "auto", "backend": "auto"}), 1)  # as accelerate writes it
+    auto = zc.parse(engine_config(3, compile={"enabled": "auto", "backend": "auto"}), 1)  # as accelerate writes it
     assert auto.compile == zc.CompileConfig()
 
 
@@ -201,20 +201,20 @@ def test_every_key_of_deepspeeds_compile_section_is_known():
 
     for key, field in CompileConfig.model_fields.items():
         value = field.get_default(call_default_factory=True)
-        zc.parse(_config(3, compile={key: value}), 1)
+        zc.parse(engine_config(3, compile={key: value}), 1)
         flipped = (not value) if isinstance(value, bool) else value
         try:
-            zc.parse(_config(3, compile={key: flipped}), 1)
+            zc.parse(engine_config(3, compile={key: flipped}), 1)
         except ValueError as e:
             assert "not supported yet" in str(e), (key, str(e))
 
 
 def test_a_pipeline_stage_refuses_deepcompile():
     """A stage's layers compile (tests/pipeline/test_pipeline.py); its step, driven by the schedule, is not traced whole."""
-    cfg = zc.parse(_config(1, compile={"deepcompile": True}), 1)
+    cfg = zc.parse(engine_config(1, compile={"deepcompile": True}), 1)
     with pytest.raises(ValueError, match="PipelineModule: a stage's step is driven by its schedule"):
         compose(cfg, zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1)), accumulate_micro=False)
-    compose(zc.parse(_config(1, compile={"enabled": True}), 1), zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1)),
+    compose(zc.parse(engine_config(1, compile={"enabled": True}), 1), zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1)),
             accumulate_micro=False)
 
 
@@ -231,13 +231,13 @@ def _engine(kind: str):
             model.blocks[i] = torch.compile(block, backend=BACKEND)
         assert any("_orig_mod." in k for k in model.state_dict())
     extra = {"compile": {"enabled": True, "backend": BACKEND}} if kind == "config" else {}
-    engine = zf.initialize(model, _config(3, **extra), loss_fn=_gpt_loss)
+    engine = zf.initialize(model, engine_config(3, **extra), loss_fn=gpt_loss)
     return engine, shape
 
 
 def _steps(engine, shape, n: int) -> list[float]:
     rank, world = zf.dist.rank(), zf.dist.world_size()
-    data = _micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps(), engine.global_steps)
+    data = micro_batches("gpt", shape, rank, world, engine.gradient_accumulation_steps(), engine.global_steps)
     return [float(engine.train_batch(data)) for _ in range(n)]
 
 
@@ -279,8 +279,8 @@ def test_a_compiled_checkpoint_loads_into_an_eager_engine_and_back(tmp_path):
 def compiled_at_two(directory: str) -> dict:
     """Eager, engine.compile and the config's deepcompile at this world size; an engine compiled
     by the config's enabled trains and saves a checkpoint."""
-    out = {"eager": run(_config(3)), "method": run(_config(3), compile_args=(BACKEND,)),
-           "deepcompile": run(_config(3, compile={"deepcompile": True, "backend": BACKEND}))}
+    out = {"eager": run(engine_config(3)), "method": run(engine_config(3), compile_args=(BACKEND,)),
+           "deepcompile": run(engine_config(3, compile={"deepcompile": True, "backend": BACKEND}))}
     engine, shape = _engine("config")
     _steps(engine, shape, 2)
     engine.save_checkpoint(directory)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import zfunc as zf
+from cases import LR as HF_LR
+from engines import hf_batch, hf_gpt2, hf_reference
 from models import batch, build, local, loss
-from test_engine import _hf_batch, _hf_model, hf_reference
 from workers import workers
 from zfunc.materialize import Tracker
 from zfunc.testing import assert_trees_all_close
@@ -257,13 +258,13 @@ def test_misuse_is_named():
 
 def hf_calls(steps: int, config: dict) -> dict:
     """GPT2LMHeadModel driven as Hugging Face scripts drive DeepSpeed: engine(**batch).loss."""
-    model = _hf_model()
+    model = hf_gpt2()
     rank, world = zf.dist.rank(), zf.dist.world_size()
     engine = zf.initialize(model, config)
     k = 0
     for _ in range(steps * engine.gradient_accumulation_steps()):
         n = 4 // world
-        out = engine(**{key: v[rank * n:(rank + 1) * n] for key, v in _hf_batch(k).items()})
+        out = engine(**{key: v[rank * n:(rank + 1) * n] for key, v in hf_batch(k).items()})
         engine.backward(out.loss)
         engine.step()
         k += 1
@@ -271,8 +272,6 @@ def hf_calls(steps: int, config: dict) -> dict:
 
 
 def test_hugging_face_model_output_through_engine_calls_equals_plain_pytorch():
-    from test_engine import LR as HF_LR
-
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
               "optimizer": {"type": "AdamW", "params": {"lr": HF_LR, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}

@@ -240,7 +240,31 @@ class Sometimes(nn.Module):
         return self.out(h)
 
 
+class SeededNet(nn.Module):
+    """A 6-16-16-16-2 tanh MLP in three units that seeds itself: the same weights wherever it is built
+    (the offload plan, host update and delayed update tests)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
 MODELS = {"sometimes": Sometimes, "reusing": Reusing, "gpt": TiedGPT, "external": External, "checkpointed": Checkpointed, "skipping": Skipping, "odd_mlp": OddMLP, "frozen_bn": FrozenBN, "no_list": NoList, "deep_mlp": DeepMLP, "cross_tied": CrossTied}
+
+
+# the deep MLP's shape where a test trains it (lower precision, accumulation, offload), and the
+# keyword arguments of the models a test runs by name
+DEEP_MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
+MODEL_KW = {"deep_mlp": DEEP_MLP, "odd_mlp": {}, "gpt": {}, "checkpointed": {}, "external": {}}
 
 
 def build(name: str, seed: int = 0, **kw) -> nn.Module:

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import zfunc as zf
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from bf16_state_reference import AdamWBf16State, assert_moments_close, reference
 from cases import LR, _setup, compose, micro_batches
-from models import batch, local
-from test_precision import U, _check
-from test_zero_equivalence import assert_close_to
+from models import DEEP_MLP as MLP, batch, local
 from workers import workers
 from zfunc.ops import torch_adam
 from zfunc.optim.base import state_bytes_per_element
@@ -23,7 +22,6 @@ from zfunc.state import unit_values
 
 BF16 = torch.bfloat16
 SWAP = tempfile.mkdtemp(prefix="zfunc-bf16-state-")
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 OFFLOADS = {"none": None, "cpu": {"kind": "cpu"}, "nvme": {"kind": "nvme", "path": SWAP}}
 
 
@@ -200,7 +198,7 @@ def test_mixed_precision_keeps_fp32_masters_and_bf16_moments(world):
         runs = {o: workers(world).run(run_bf16, "deep_mlp", MLP, stage, 3, 4, BF16, {"dtype": BF16}, None, None,
                                       _offload(o, stage)) for o in OFFLOADS}
         for rank, r in enumerate(runs["none"]):
-            _check(r["params"], ref["params"], init, U[BF16], False)
+            assert_within_roundoff(r["params"], ref["params"], init, UNIT_ROUNDOFF[BF16], False)
             assert r["held"] == ["torch.bfloat16", "torch.float32"]  # the moments, the masters
             for o in ("cpu", "nvme"):
                 other = runs[o][rank]

@@ -202,7 +202,7 @@ def test_the_engine_under_fp16_counts_only_applied_updates():
 
 
 def pipeline_lrs(stages: int, steps: int) -> list:
-    from test_pipeline import config, micro_batch, pipe
+    from pipelines import config, micro_batch, pipe
 
     engine = zf.initialize(pipe(stages), config(2, scheduler=WARMUP_DECAY))
     out = []

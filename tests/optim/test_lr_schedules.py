@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
-from test_config import _deepspeed
+from deepspeed_oracle import real_deepspeed
 from zfunc import optim
 from zfunc.optim import lr as ls
 
@@ -200,7 +200,7 @@ def _ds_lrs(cls, steps, lr, **kw):
 @pytest.mark.parametrize("kind", ["log", "linear"])
 @pytest.mark.parametrize("warmup, total", [(1, 5), (2, 3), (5, 12), (10, 40)])
 def test_schedules_match_deepspeeds_classes(kind, warmup, total):
-    _deepspeed()
+    real_deepspeed()
     from deepspeed.runtime import lr_schedules as dsl
 
     n = total + 10

@@ -3,93 +3,11 @@ on plain PyTorch: fp32 within 1e-5, for P = 2, 3 and P = 2 x DP = 2, 1F1B and GP
 import pytest
 import torch
 from torch._dynamo.utils import counters
-import torch.nn.functional as F
-from torch import nn
 
 import zfunc as zf
-from test_zero_equivalence import assert_close_to
+from assertions import assert_close_to
+from pipelines import BUILT, D, Dict, LR, Lin, VOCAB, config, lm_loss, micro_batch, pipe
 from workers import workers
-
-VOCAB, D, T, LR = 11, 8, 5, 1e-3
-BUILT: list = []  # constructor calls in this process: (class name, seed)
-
-
-class Emb(nn.Module):
-    def __init__(self, seed: int):
-        super().__init__()
-        BUILT.append(("Emb", seed))
-        g = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(torch.randn(VOCAB, D, generator=g) * 0.5)
-
-    def forward(self, ids):
-        return self.weight[ids]
-
-
-def lm_head(emb: Emb, h):
-    return h @ emb.weight.t()
-
-
-class Lin(nn.Module):
-    def __init__(self, seed: int):
-        super().__init__()
-        BUILT.append(("Lin", seed))
-        g = torch.Generator().manual_seed(seed)
-        self.weight = nn.Parameter(torch.randn(D, D, generator=g) * 0.3)
-        self.bias = nn.Parameter(torch.randn(D, generator=g) * 0.1)
-
-    def forward(self, x):
-        return x + torch.tanh(x @ self.weight.t() + self.bias)
-
-
-class Split(nn.Module):
-    """Passes a pair on: a tuple activation."""
-
-    def forward(self, x):
-        return x, torch.sigmoid(x)
-
-
-class Join(nn.Module):
-    def forward(self, a, b):
-        return a * b
-
-
-class Dict(nn.Module):
-    def forward(self, x):
-        return {"h": x}
-
-
-def lm_loss(logits, y):
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-class First(nn.Module):
-    """Drops the second activation: its gradient is none, and zeros go back for it."""
-
-    def forward(self, a, b):
-        return a
-
-
-def layers(kind: str = "join"):
-    """kind "join": the stage after the cut uses both activations of the pair; "first": only one."""
-    return [zf.TiedLayerSpec("emb", Emb, 1), zf.LayerSpec(Lin, 2), zf.LayerSpec(Lin, 3), zf.LayerSpec(Split),
-            zf.LayerSpec({"join": Join, "first": First}[kind]), zf.LayerSpec(Lin, 4), zf.LayerSpec(Lin, 5),
-            zf.TiedLayerSpec("emb", Emb, 1, forward_fn=lm_head)]
-
-
-def pipe(stages: int, schedule: str = "1f1b", method: str = "uniform", kind: str = "join"):
-    return zf.PipelineModule(layers(kind), stages, lm_loss, partition_method=method, schedule=schedule)
-
-
-def micro_batch(step: int, m: int, replica: int, size: int = 2):
-    g = torch.Generator().manual_seed(1000 * step + 10 * m + replica)
-    x = torch.randint(0, VOCAB, (size, T + 1), generator=g)
-    return x[:, :-1], x[:, 1:]
-
-
-def config(micro: int, stage: int = 1, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": micro, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage}, **extra}
 
 
 def run_pipeline(stages: int, micro: int, steps: int, schedule: str, stage: int = 1, extra=None,

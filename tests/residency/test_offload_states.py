@@ -18,6 +18,7 @@ from zfunc import buffers
 from zfunc.residency import files as offload_files
 from zfunc.residency import host_buffers, HostBuffers
 from zfunc.testing import memory
+from hf import llama_config
 from workers import fresh_workers, workers
 
 import transformers  # noqa: E402  the [test] extra installs it
@@ -27,9 +28,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pin
 
 def llama(width: int = 16, layers: int = 2):
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=50, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+    return transformers.LlamaForCausalLM(llama_config(hidden_size=width, intermediate_size=2 * width,
+                                                      num_hidden_layers=layers))
 
 
 def compose(how: str, model, swap: str):

@@ -6,13 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zfunc as zf
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from cases import micro_batches, reference, reference_mixed, run_composed
-from models import batch, build, local
-from test_precision import U, _check
-from test_zero_equivalence import assert_close_to
+from models import DEEP_MLP as MLP, batch, build, local
 from workers import workers
 
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
@@ -88,7 +86,7 @@ def test_both_orders_with_mixed_precision_and_an_eval_step():
     assert runs[1][0]["composition"] == "zero3(accumulate(mixed_precision(train_step, bfloat16), 2))"
     for r0, r1 in zip(*runs):
         assert_close_to(r0["params"], r1["params"])
-        _check(r0["params"], ref["params"], init, U[torch.bfloat16], sgd=True)
+        assert_within_roundoff(r0["params"], ref["params"], init, UNIT_ROUNDOFF[torch.bfloat16], sgd=True)
 
 
 def test_orders_that_make_no_sense_say_which_to_write():
@@ -162,4 +160,4 @@ def test_any_composition_matches_pytorch(c):
         ref = reference_mixed("deep_mlp", MLP, dtype, 3, 4 * world, loss_scale=1024.0 if dtype == torch.float16 else 1.0,
                               clip=c["clip"], sgd=c["sgd"])
         for r in results:
-            _check(r["params"], ref["params"], init, U[dtype], c["sgd"])
+            assert_within_roundoff(r["params"], ref["params"], init, UNIT_ROUNDOFF[dtype], c["sgd"])

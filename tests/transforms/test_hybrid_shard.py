@@ -9,12 +9,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import zfunc as zf
+from assertions import assert_close_to
 from cases import LR, micro_batches, reference, reference_mixed
-from models import batch, build, local, loss
-from test_zero_equivalence import assert_close_to
+from models import DEEP_MLP as MLP, batch, build, local, loss
 from workers import workers
 
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 
 
 def _mesh(layout):

@@ -19,34 +19,17 @@ import copy
 import pytest
 import torch
 
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from cases import reference, reference_mixed, run_composed
-from models import build
-from test_zero_equivalence import assert_close_to
+from compositions import FP16_SCALE
+from models import DEEP_MLP as MLP, build
 from workers import workers
 
-U = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 MODELS = {"gpt": {}, "deep_mlp": MLP}
-FP16_SCALE = 1024.0  # fixed, so the reference scales the same way
 
 
 def _prec(dtype):
     return {"dtype": dtype} | ({"loss_scale": FP16_SCALE} if dtype == torch.float16 else {})
-
-
-def _check(got: dict, ref: dict, init: dict, u: float, sgd: bool):
-    close, total = 0, 0
-    for k, want in ref.items():
-        err = (got[k] - want).abs()
-        move = (want - init[k]).abs().max().item()
-        if sgd:
-            assert err.max().item() <= 16 * u * move, f"{k}: off by {err.max().item():.3g}, bound {16 * u * move:.3g}"
-        else:
-            assert err.max().item() <= move, f"{k}: off by {err.max().item():.3g}, more than its largest step {move:.3g}"
-            close += int((err <= 4 * u * move).sum())
-            total += err.numel()
-    if not sgd:
-        assert close >= 0.9 * total, f"only {close} of {total} elements within 4u of the reference"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -61,9 +44,9 @@ def test_matches_pytorch_mixed_precision(name, world, dtype):
         for stage in (0, 1, 2, 3):
             for r in workers(world).run(run_composed, name, kw, stage, 3, 4, 0, _prec(dtype), None, None, False, None, sgd):
                 assert r["dtypes"] == [str(dtype)]
-                _check(r["params"], ref["params"], init, U[dtype], sgd)
+                assert_within_roundoff(r["params"], ref["params"], init, UNIT_ROUNDOFF[dtype], sgd)
                 # the loss is computed in the dtype: a few roundings of u apart, as the gradients
-                assert [h["loss"] for h in r["history"]] == pytest.approx(ref["losses"], rel=16 * U[dtype])
+                assert [h["loss"] for h in r["history"]] == pytest.approx(ref["losses"], rel=16 * UNIT_ROUNDOFF[dtype])
                 assert not any(h["skipped"] for h in r["history"])
 
 
@@ -75,7 +58,7 @@ def test_bf16_reduce_dtype_and_clipping():
     for stage in (1, 3):
         prec = {"dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}
         for r in workers(2).run(run_composed, "deep_mlp", kw, stage, 3, 4, 0, prec, None, 0.05, False, None, True):
-            _check(r["params"], ref["params"], init, U[torch.bfloat16], True)
+            assert_within_roundoff(r["params"], ref["params"], init, UNIT_ROUNDOFF[torch.bfloat16], True)
             assert all(h["grad_norm"] > 0.05 for h in r["history"])  # the clip was active
 
 
@@ -150,7 +133,7 @@ def test_fp16_clipping_sees_unscaled_gradients():
     for stage in (0, 2):
         for r in workers(2).run(run_composed, "deep_mlp", kw, stage, 3, 4, 0, _prec(torch.float16), None, 0.05,
                                 False, None, True):
-            _check(r["params"], ref["params"], init, U[torch.float16], True)
+            assert_within_roundoff(r["params"], ref["params"], init, UNIT_ROUNDOFF[torch.float16], True)
             assert all(0.05 < h["grad_norm"] < 100 for h in r["history"])  # unscaled, and clipped
 
 
@@ -242,8 +225,8 @@ def test_buffers_keep_their_dtype_by_default(kind):
     assert r["dtypes"] == ["torch.bfloat16"]
     _buffers_bit_for_bit(r["buffers"], r["before"])
     _buffers_bit_for_bit(r["buffers"], ref_buffers)
-    _check(r["params"], ref, reference_hf_init(kind), U[torch.bfloat16], True)
-    assert r["losses"] == pytest.approx(ref_losses, rel=16 * U[torch.bfloat16])
+    assert_within_roundoff(r["params"], ref, reference_hf_init(kind), UNIT_ROUNDOFF[torch.bfloat16], True)
+    assert r["losses"] == pytest.approx(ref_losses, rel=16 * UNIT_ROUNDOFF[torch.bfloat16])
 
 
 def reference_hf_init(kind: str) -> dict:
@@ -259,8 +242,8 @@ def test_buffers_keep_their_dtype_under_zero_at_w2(kind):
     for stage in (1, 3):
         for r in workers(2).run(hf_bf16, kind, stage, 2, 2):
             _buffers_bit_for_bit(r["buffers"], ref_buffers)
-            _check(r["params"], ref, init, U[torch.bfloat16], True)
-            assert r["losses"] == pytest.approx(ref_losses, rel=16 * U[torch.bfloat16])
+            assert_within_roundoff(r["params"], ref, init, UNIT_ROUNDOFF[torch.bfloat16], True)
+            assert r["losses"] == pytest.approx(ref_losses, rel=16 * UNIT_ROUNDOFF[torch.bfloat16])
 
 
 def test_keep_and_buffer_dtype():

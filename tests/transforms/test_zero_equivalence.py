@@ -1,11 +1,10 @@
 """zero1/2/3 at W = 1, 2, 3 equal plain PyTorch on the global batch (docs/testing.md)."""
 import pytest
 
+from assertions import RTOL, assert_close_to
 from cases import gathers_in_flight, loss_with_uneven_batches, nonfinite_on_rank0, reference, run_ddp, run_zfunc
 from workers import workers
 from zfunc.testing import assert_trees_all_close
-
-RTOL = 1e-5  # fp32 equivalence, docs/testing.md
 
 MODELS = {
     "gpt": {},
@@ -13,12 +12,6 @@ MODELS = {
     "no_list": {},
     "cross_tied": {},
 }
-
-
-def assert_close_to(got: dict, expected: dict):
-    scale = max(v.abs().max().item() for v in expected.values())
-    assert list(got) == list(expected)
-    assert_trees_all_close(got, expected, rtol=RTOL, atol=RTOL * scale)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

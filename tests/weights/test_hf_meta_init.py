@@ -7,7 +7,6 @@ compared as follows: where the model built with two seeds agrees (buffers, norms
 biases, embedding scales, a padding row) zfunc's value equals it exactly; elsewhere its mean and
 standard deviation match within sampling tolerance (the test fails on nn.Linear's default init,
 std 0.10 where transformers gives 0.02)."""
-import math
 import os
 import warnings
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import zfunc as zf
+from assertions import assert_same_init
 from zfunc.weights.pretrained import WeightsMismatch
 
 import transformers  # noqa: E402  the [test] extra installs it
@@ -78,36 +78,6 @@ def zfunc_init(cls: str, config, seed: int = 7, **kw) -> dict:
     torch.manual_seed(seed)
     state = zf.zero3(zf.train_step(lambda p, x: 0, zf.optim.sgd(0.1))).init(model, **kw)
     return {**zf.gather_params(state), **state.buffers}
-
-
-def assert_same_init(got: dict, a: dict, b: dict, where: str = "") -> None:
-    """``got`` holds what ``a`` holds: ``a`` and ``b`` are the same init under two seeds (module docstring)."""
-    assert set(got) == set(a), (where, set(got) ^ set(a))
-    for k, want in a.items():
-        g = got[k]
-        assert g.shape == want.shape and g.dtype == want.dtype, (where, k, g.shape, want.shape, g.dtype, want.dtype)
-        fixed = _fixed(want, b[k])
-        assert torch.equal(g[fixed], want[fixed]), f"{where}{k}: deterministic values differ"
-        if fixed.all():
-            continue
-        x, y = g[~fixed].double(), want[~fixed].double()
-        n = x.numel()
-        sx, sy = x.std() if n > 1 else x.abs(), y.std() if n > 1 else y.abs()
-        tol_mean = 6 * math.sqrt((sx**2 + sy**2) / n) + 1e-7
-        assert abs(x.mean() - y.mean()) <= tol_mean, f"{where}{k}: mean {x.mean():.4g}, want {y.mean():.4g}"
-        if n > 8:
-            assert abs(sx - sy) <= 6 * sy * math.sqrt(1 / n) + 1e-7, f"{where}{k}: std {sx:.4g}, want {sy:.4g}"
-
-
-def _fixed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Where the same init under two seeds agrees: the whole tensor, or whole rows of 4 or more (a
-    padding row); single elements of a random bf16 tensor agree by chance."""
-    if torch.equal(a, b):
-        return torch.ones_like(a, dtype=torch.bool)
-    if a.dim() < 2 or a[0].numel() < 4:
-        return torch.zeros_like(a, dtype=torch.bool)
-    rows = (a == b).reshape(a.shape[0], -1).all(1)
-    return rows.reshape(-1, *[1] * (a.dim() - 1)).expand(a.shape)
 
 
 @pytest.mark.parametrize("family", families)

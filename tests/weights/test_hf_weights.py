@@ -20,46 +20,13 @@ from torch import nn
 import zfunc as zf
 from zfunc.testing import memory
 from zfunc.weights.pretrained import WeightsMismatch
-from test_zero_equivalence import assert_close_to
+from assertions import assert_close_to
+from hf import LR, build, rewrite_checkpoint, tokens
 from workers import fresh_workers, workers
 
 import transformers  # noqa: E402  the [test] extra installs it
 import safetensors.torch as safetensors  # noqa: E402
 SHARD = "20KB"  # each tiny model in 2-4 files
-LR = 1e-3
-
-
-def config(kind: str):
-    t = transformers
-    small = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=16)
-    return {
-        "llama": lambda: t.LlamaConfig(**small),
-        "qwen2": lambda: t.Qwen2Config(**small, tie_word_embeddings=True),
-        "mixtral": lambda: t.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
-        "qwen3_moe": lambda: t.Qwen3MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-                                              head_dim=8),
-        "gpt2": lambda: t.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-        "t5": lambda: t.T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
-                                 num_heads=2, dropout_rate=0.0, decoder_start_token_id=0),
-    }[kind]()
-
-
-def build(kind: str, device: str = "cpu", seed: int = 0) -> nn.Module:
-    cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM",
-           "qwen3_moe": "Qwen3MoeForCausalLM",
-           "gpt2": "GPT2LMHeadModel", "t5": "T5ForConditionalGeneration"}[kind]
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = getattr(transformers, cls)(config(kind))
-    model.config.use_cache = False
-    return model
-
-
-def tokens(size: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 50, (size, 8), generator=torch.Generator().manual_seed(seed))
-
 
 _saved: dict = {}
 
@@ -292,17 +259,6 @@ def test_initialize_reads_weights_into_a_meta_built_model(saved):
 # ------------------------------------------------------------------ errors
 
 
-def _rewrite(src: str, dst, change) -> str:
-    """A one-file copy of checkpoint ``src`` at ``dst/model.safetensors``, its tensors passed through ``change``."""
-    from zfunc.weights.safetensors_reader import Reader, tensors_of
-
-    with Reader() as r:
-        tensors = {k: r.read(i) for k, i in tensors_of(src).items()}
-    os.makedirs(dst, exist_ok=True)
-    safetensors.save_file(change(tensors), os.path.join(dst, "model.safetensors"))
-    return str(dst)
-
-
 def _init(kind: str, path, **kw):
     model = build(kind, "meta")
     return zf.zero3(zf.train_step(lambda p, x: 0, zf.optim.adamw(LR))).init(model, weights=path, **kw)
@@ -310,13 +266,13 @@ def _init(kind: str, path, **kw):
 
 def test_missing_unexpected_and_misshaped_tensors_are_named(saved, tmp_path):
     src = saved("llama")
-    missing = _rewrite(src, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if "layers.1.mlp.up" not in k})
+    missing = rewrite_checkpoint(src, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if "layers.1.mlp.up" not in k})
     with pytest.raises(ValueError, match=r"files lack: 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         _init("llama", missing)
-    extra = _rewrite(src, tmp_path / "extra", lambda t: {**t, "model.layers.0.extra": torch.zeros(3)})
+    extra = rewrite_checkpoint(src, tmp_path / "extra", lambda t: {**t, "model.layers.0.extra": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"model has not: 'model\.layers\.0\.extra'"):
         _init("llama", extra)
-    shaped = _rewrite(src, tmp_path / "shape", lambda t: {**t, "model.norm.weight": torch.ones(17)})
+    shaped = rewrite_checkpoint(src, tmp_path / "shape", lambda t: {**t, "model.norm.weight": torch.ones(17)})
     with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(17,\) .* but shape \(16,\)"):
         _init("llama", shaped)
 
@@ -325,7 +281,7 @@ def test_strict_false_initializes_what_the_files_lack(saved, tmp_path):
     """As load_state_dict(strict=False): the missing tensor is initialized as without weights (its
     module's own init), the rest read; a tensor the model has not is skipped."""
     src = saved("llama")
-    path = _rewrite(src, tmp_path / "part", lambda t: {**{k: v for k, v in t.items() if k != "model.norm.weight"},
+    path = rewrite_checkpoint(src, tmp_path / "part", lambda t: {**{k: v for k, v in t.items() if k != "model.norm.weight"},
                                                        "unused": torch.zeros(2)})
     with pytest.warns(WeightsMismatch, match=r"20 of the model's 21 tensors read; 1 missing .*'model\.norm\.weight'; "
                                              r"1 unexpected \(not read\): 'unused'"):
@@ -346,7 +302,7 @@ def test_strict_false_reports_what_load_state_dict_reports(saved, tmp_path_facto
     warning's ``incompatible`` and the state's ``loading_info`` hold the keys
     ``load_state_dict(strict=False)`` returns for the same tensors."""
     src = saved("llama")
-    path = _rewrite(src, tmp_path_factory.mktemp("part"),
+    path = rewrite_checkpoint(src, tmp_path_factory.mktemp("part"),
                     lambda t: {**{k: v for k, v in t.items() if k not in drop}, **{k: torch.zeros(2) for k in extra}})
     with pytest.warns(WeightsMismatch) as caught:
         state = _init("llama", path, strict=False)
@@ -374,7 +330,7 @@ def test_loading_info_is_on_the_state_init_returns(saved):
 def test_files_that_share_no_tensor_with_the_model_are_refused(saved, tmp_path, strict):
     """A peft model's names over a plain checkpoint (or any renaming): nothing would be read, so init
     refuses, naming the files' keys and the model's and what to do."""
-    path = _rewrite(saved("llama"), tmp_path / "renamed", lambda t: {f"base_model.model.{k}": v for k, v in t.items()})
+    path = rewrite_checkpoint(saved("llama"), tmp_path / "renamed", lambda t: {f"base_model.model.{k}": v for k, v in t.items()})
     with pytest.raises(ValueError, match=r"share no tensor with the model: 21 tensors the files hold: "
                                          r"'base_model\.model\..*21 tensors the model needs: 'model\.embed_tokens"
                                          r".*load the files into the model they were saved from"):
@@ -418,7 +374,7 @@ def test_a_missing_or_misshaped_expert_is_named(kind, saved, tmp_path_factory, p
         bigger = (shape[0] + 1, shape[1]) if how == "rows" else (shape[0], shape[1] + 1)
         return {**t, key: torch.zeros(bigger)}
 
-    path = _rewrite(src, tmp_path_factory.mktemp("moe"), change)
+    path = rewrite_checkpoint(src, tmp_path_factory.mktemp("moe"), change)
     file = os.path.join(path, "model.safetensors")
     with pytest.raises(ValueError) as raised:
         _init(kind, path, strict=strict)
@@ -431,7 +387,7 @@ def test_a_missing_or_misshaped_expert_is_named(kind, saved, tmp_path_factory, p
 def test_an_expert_error_is_raised_on_every_rank(kind, saved, tmp_path):
     src = saved(kind)
     key = _file_keys(kind, src)[-1]
-    path = _rewrite(src, tmp_path / "moe", lambda t: {k: v for k, v in t.items() if k != key})
+    path = rewrite_checkpoint(src, tmp_path / "moe", lambda t: {k: v for k, v in t.items() if k != key})
     for text in workers(2).run(init_error, kind, path):
         assert f"tensor {key!r}" in text and "is missing" in text, text
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import zfunc as zf
-from test_hf_weights import LR, build, tokens
-from test_peft_weights import folder, is_adapter, meta_peft, peft_config  # noqa: F401  (folder: a fixture)
-from test_zero_equivalence import assert_close_to
+from assertions import assert_close_to
+from hf import LR, tokens
+from peft_models import is_adapter, meta_peft, peft_config
 from workers import workers
 
 import peft  # noqa: E402

@@ -14,54 +14,12 @@ import pytest
 import torch
 
 import zfunc as zf
-from test_hf_weights import LR, _rewrite, build, tokens
-from test_zero_equivalence import assert_close_to
+from assertions import assert_close_to
+from hf import LR, build, rewrite_checkpoint, tokens
+from peft_models import TARGETS, is_adapter, meta_peft, peft_config
 from workers import workers
 
 import transformers  # noqa: E402
-
-TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"], "qwen2": ["q_proj", "v_proj", "down_proj"]}
-FEEDFORWARD = {"gpt2": ["c_fc"], "llama": ["down_proj"], "qwen2": ["down_proj"]}
-ADAPTER_PARTS = ("lora_", "ia3_l")
-
-
-def peft_config(kind: str, method: str):
-    if method == "lora":
-        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS[kind], lora_dropout=0.0,
-                               modules_to_save=["lm_head"] if kind == "llama" else None)
-    if method == "gaussian":
-        return peft.LoraConfig(r=4, target_modules=TARGETS[kind], lora_dropout=0.0, init_lora_weights="gaussian")
-    if method == "ia3":
-        return peft.IA3Config(target_modules=TARGETS[kind] + FEEDFORWARD[kind], feedforward_modules=FEEDFORWARD[kind])
-    if method == "dora":
-        return peft.LoraConfig(r=4, target_modules=TARGETS[kind], use_dora=True)
-    raise ValueError(method)
-
-
-def meta_peft(kind: str, method: str):
-    return peft.get_peft_model(build(kind, "meta"), peft_config(kind, method))
-
-
-def is_adapter(name: str) -> bool:
-    return any(part in name for part in ADAPTER_PARTS)
-
-
-_folders: dict = {}
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """``folder(kind)``: the base model's folder, as ``save_pretrained`` writes it (several shards)."""
-
-    def get(kind: str) -> str:
-        if kind not in _folders:
-            path = str(tmp_path_factory.mktemp(f"base-{kind}"))
-            build(kind).save_pretrained(path, max_shard_size="20KB")
-            _folders[kind] = path
-        return _folders[kind]
-
-    return get
-
 
 def train_zero3(kind: str, method: str, path: str, steps: int, per_rank: int = 2) -> dict:
     """On each rank: the peft model built on the meta device, its state read from ``path`` under zero3,
@@ -196,7 +154,7 @@ def test_an_adapter_folder_loads_over_its_base(kind, method, world, folder, tmp_
     want = {k: v.detach().clone() for k, v in model.named_parameters()}
     for got in workers(world).run(load_base_and_adapter, kind, method, [folder(kind), str(tmp_path / "adapter")]):
         assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
-    holed = _rewrite(str(tmp_path / "adapter"), tmp_path / "holed", lambda t: {k: v for k, v in t.items()
+    holed = rewrite_checkpoint(str(tmp_path / "adapter"), tmp_path / "holed", lambda t: {k: v for k, v in t.items()
                                                                              if ".0.self_attn.v_proj.lora_B" not in k})
     with pytest.raises(ValueError, match=r"2 paths given, but the model is no peft model"):
         zf.train_step(lambda p, x: 0, zf.optim.adamw(LR)).init(build(kind, "meta"), weights=[folder(kind), holed])
@@ -209,7 +167,7 @@ def test_an_adapter_folder_loads_over_its_base(kind, method, world, folder, tmp_
 def test_a_base_tensor_missing_from_the_folder_is_named(folder, tmp_path):
     """A missing base tensor raises, naming it by the files' name and the peft model's; no strict=False
     hole: the adapters' tensors are never among the missing."""
-    holed = _rewrite(folder("llama"), tmp_path / "holed", lambda t: {k: v for k, v in t.items()
+    holed = rewrite_checkpoint(folder("llama"), tmp_path / "holed", lambda t: {k: v for k, v in t.items()
                                                                         if k != "model.layers.1.self_attn.q_proj.weight"})
     step = zf.train_step(lambda p, x: 0, zf.optim.adamw(LR))
     with pytest.raises(ValueError, match=r"files lack: 'model\.layers\.1\.self_attn\.q_proj\.weight \(in the peft "

@@ -14,30 +14,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zfunc as zf
+from assertions import assert_close_to, assert_same_run
 from cases import _setup, compose, reference, run_composed
-from models import batch, local
-from test_checkpoint_compositions import _assert_same_numbers
-from test_zero_equivalence import assert_close_to
+from checkpoints import assert_same_numbers
+from models import DEEP_MLP as MLP, MODEL_KW, batch, local
 from workers import workers
 
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 CPU = {"kind": "cpu"}
-KW = {"deep_mlp": MLP, "odd_mlp": {}, "gpt": {}, "checkpointed": {}, "external": {}}
-
-
-def _same(a: dict, b: dict) -> None:
-    """Bit for bit: parameters and the loss of every step."""
-    assert a["params"].keys() == b["params"].keys()
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
-    assert [h["loss"] for h in a["history"]] == [h["loss"] for h in b["history"]]
 
 
 @pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", ["gpt", "deep_mlp", "checkpointed", "external"])
 def test_equals_plain_pytorch(name, world):
     """fp32, relative 1e-5, for zero1/2/3(offload_cpu(f)) and offload_cpu(f) alone."""
-    kw = KW[name]
+    kw = MODEL_KW[name]
     expected = reference(name, kw, steps=3, batch_size=2 * world)
     for stage in (0, 1, 2, 3):
         for r in workers(world).run(run_composed, name, kw, stage, 3, 2, 0, None, None, None, False, None,
@@ -49,7 +39,7 @@ def test_equals_plain_pytorch(name, world):
 
 def _pair(name, stage, precision, micro, clip, world):
     """The same run with and without offload_cpu, on every rank."""
-    kw = KW[name]
+    kw = MODEL_KW[name]
     args = (name, kw, stage, 2, 4, 0, precision, micro, clip)
     plain = workers(world).run(run_composed, *args)
     offloaded = workers(world).run(run_composed, *args, False, None, False, None, CPU)
@@ -63,7 +53,7 @@ def test_equals_the_step_without_offload_under_mixed_precision_and_accumulation(
     tensors: bf16 with fp32 master weights, 2 micro-batches, clipping, all unchanged."""
     plain, offloaded = _pair("deep_mlp", stage, {"dtype": torch.bfloat16}, 2, 0.5, world)
     for a, b in zip(plain, offloaded):
-        _same(a, b)
+        assert_same_run(a, b)
         assert b["dtypes"] == ["torch.bfloat16"]
         assert b["memory"]["optimizer_bytes"] == a["memory"]["optimizer_bytes"]
 
@@ -75,7 +65,7 @@ def test_gradients_copied_as_each_backward_finishes_equal_the_step_without_offlo
         plain = workers(world).run(run_composed, *args)
         early = workers(world).run(run_composed, *args, False, None, False, None, {**CPU, "copy_grads_on_host": True})
         for a, b in zip(plain, early):
-            _same(a, b)
+            assert_same_run(a, b)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -85,7 +75,7 @@ def test_gradients_copied_as_each_backward_finishes_equal_the_step_without_offlo
 def test_any_composition_equals_the_step_without_offload(name, stage, precision, micro, clip, world):
     plain, offloaded = _pair(name, stage, precision, micro, clip, world)
     for a, b in zip(plain, offloaded):
-        _same(a, b)
+        assert_same_run(a, b)
 
 
 def test_memory_report_splits_bytes_by_home():
@@ -170,14 +160,14 @@ TIER = {"kind": "cpu", "params": True}
 def test_parameter_tier_equals_zero3_and_plain_pytorch(name, world):
     """fp32: bit for bit zero3 without the tier (on the CPU its copies are plain ones), plain
     PyTorch to 1e-5; the checkpointed model copies units in again in backward."""
-    kw = KW[name]
+    kw = MODEL_KW[name]
     expected = reference(name, kw, steps=3, batch_size=2 * world)
     args = (name, kw, 3, 3, 2, 0, None, None, None)
     plain = workers(world).run(run_composed, *args)
     tier = workers(world).run(run_composed, *args, False, None, False, None, TIER)
     for a, b in zip(plain, tier):
         assert b["composition"] == "zero3(offload_cpu(train_step, params=True))"
-        _same(a, b)
+        assert_same_run(a, b)
         assert_close_to(b["params"], expected["params"])
         assert b["history"][-1]["prefetch"]["hits"] > 0  # copies issued ahead of use, even at W = 1
 
@@ -192,7 +182,7 @@ def test_parameter_tier_under_mixed_precision_accumulation_and_clipping(precisio
     plain = workers(world).run(run_composed, *args)
     tier = workers(world).run(run_composed, *args, False, None, False, None, {**TIER, "copy_grads_on_host": early})
     for a, b in zip(plain, tier):
-        _same(a, b)
+        assert_same_run(a, b)
         assert b["dtypes"] == (["torch.bfloat16"] if precision else ["torch.float32"])
         assert b["memory"]["optimizer_bytes"] == a["memory"]["optimizer_bytes"]
 
@@ -201,10 +191,10 @@ def test_parameter_tier_under_mixed_precision_accumulation_and_clipping(precisio
 @given(name=st.sampled_from(["deep_mlp", "odd_mlp", "gpt"]), precision=st.sampled_from([None, {"dtype": torch.bfloat16}]),
        micro=st.sampled_from([None, 2]), clip=st.sampled_from([None, 0.1]), world=st.sampled_from([1, 2, 3]))
 def test_any_parameter_tier_composition_equals_zero3_without_it(name, precision, micro, clip, world):
-    args = (name, KW[name], 3, 2, 4, 0, precision, micro, clip)
+    args = (name, MODEL_KW[name], 3, 2, 4, 0, precision, micro, clip)
     for a, b in zip(workers(world).run(run_composed, *args),
                     workers(world).run(run_composed, *args, False, None, False, None, TIER)):
-        _same(a, b)
+        assert_same_run(a, b)
 
 
 def tier_life(persistent: bool) -> dict:
@@ -320,7 +310,7 @@ def test_parameter_tier_checkpoints_round_trip(tmp_path):
         assert_close_to(r["params"], expected["params"])
     workers(1).run(tier_load_train, directory, True, True)
     for name in ("True-False-w2", "False-False-w2", "True-False-w3", "True-True-w1"):
-        _assert_same_numbers(os.path.join(directory, "src"), os.path.join(directory, "tgt-" + name))
+        assert_same_numbers(os.path.join(directory, "src"), os.path.join(directory, "tgt-" + name))
     other = tmp_path / "from-plain"
     workers(3).run(tier_save, str(other), False)
     for r in workers(2).run(tier_load_train, str(other), True, False):

@@ -15,7 +15,7 @@ import torch
 import zfunc as zf
 from cases import run_composed
 from delayed_reference import delayed_reference
-from models import batch, build, local, loss
+from models import SeededNet, batch, build, local, loss
 from workers import workers
 
 GPT = {}
@@ -190,9 +190,7 @@ class _Release(torch.autograd.Function):
 def _net_step(gate: dict, overlap: bool = True):
     """zero3(offload_cpu(delay=1, overlap=True)) of a small net whose backward sets ``gate["event"]``
     (if set), and its batch."""
-    from test_offload_plan import Net
-
-    model = Net()
+    model = SeededNet()
 
     def loss_fn(params, b):
         value = torch.nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])

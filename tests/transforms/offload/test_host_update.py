@@ -17,13 +17,13 @@ import torch
 
 import zfunc as zf
 from cases import run_composed
+from models import DEEP_MLP as MLP, SeededNet
 from workers import workers
 
 oc = importlib.import_module("zfunc.transforms.offload.cpu")
 host_update = importlib.import_module("zfunc.transforms.offload.host_update")
 placement = importlib.import_module("zfunc.placement")
 
-MLP = {"d_in": 5, "width": 16, "depth": 3, "d_out": 3}
 CPU = {"kind": "cpu", "copy_grads_on_host": True}
 
 

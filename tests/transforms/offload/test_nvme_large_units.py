@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import zfunc as zf
+from assertions import assert_close_to, assert_same_run
 from cases import _setup, compose, reference, run_composed
+from lazy_copies import lazy_copies_run
 from models import batch, local
-from test_cpu_offload import _same
-from test_nvme_offload import lazy_copies_run
-from test_zero_equivalence import assert_close_to
 from workers import workers
 
 SWAP = tempfile.mkdtemp(prefix="zfunc-nvme-large-")
@@ -38,8 +37,8 @@ def test_units_larger_than_a_buffer_train_as_without_offload(precision, micro, w
     swapped = workers(world).run(run_composed, *args, False, None, False, None, nvme())
     lazy = workers(world).run(lazy_copies_run, *args, False, None, False, None, nvme())
     for a, b, c in zip(plain, swapped, lazy):
-        _same(a, b)
-        _same(a, c)
+        assert_same_run(a, b)
+        assert_same_run(a, c)
         root = next(padded for name, _, padded in b["units"] if name == "")
         assert root // world * (4 if precision is None else 2) > 2 * 4096
         for r in (b, c):

@@ -19,9 +19,9 @@ from torch.func import functional_call, jacfwd, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import zfunc as zf
+from assertions import RTOL, assert_close_to
 from cases import micro_batches
 from models import LEAF_KINDS, LeafKindsLM
-from test_zero_equivalence import RTOL, assert_close_to
 from workers import workers
 
 SWAP = tempfile.mkdtemp(prefix="zfunc-nvme-leaf-kinds-")

@@ -18,10 +18,10 @@ from torch import nn
 
 import zfunc as zf
 from zfunc.testing import memory
+from assertions import assert_close_to, assert_same_run
 from cases import reference, run_composed
-from models import build
-from test_cpu_offload import KW, _same
-from test_zero_equivalence import assert_close_to
+from lazy_copies import lazy_copies_run
+from models import MODEL_KW, build
 from workers import workers
 
 SWAP = tempfile.mkdtemp(prefix="zfunc-nvme-tests-")  # this session's; the workers get it as an argument
@@ -48,7 +48,7 @@ COMPOSITIONS = [(0, True), (1, False), (2, False), (3, True)]  # (stage, paramet
 def test_equals_plain_pytorch(name, world):
     """fp32, relative 1e-5: zero3(offload_nvme(f)), zero1/2(offload_nvme(f, params=False)),
     offload_nvme(f) alone; small sub-groups, so the update streams several."""
-    kw = KW[name]
+    kw = MODEL_KW[name]
     expected = reference(name, kw, steps=3, batch_size=2 * world)
     for stage, params in COMPOSITIONS:
         for r in workers(world).run(run_composed, name, kw, stage, 3, 2, 0, None, None, None, False, None,
@@ -66,7 +66,7 @@ def test_equals_plain_pytorch(name, world):
 
 
 def _pair(name, stage, precision, micro, clip, world, **offload):
-    kw = KW[name]
+    kw = MODEL_KW[name]
     args = (name, kw, stage, 2, 4, 0, precision, micro, clip)
     plain = workers(world).run(run_composed, *args)
     swapped = workers(world).run(run_composed, *args, False, None, False, None, nvme(**offload))
@@ -82,7 +82,7 @@ def test_equals_the_step_without_offload_under_mixed_precision_and_accumulation(
         plain, swapped = _pair("deep_mlp", stage, {"dtype": torch.bfloat16}, 2, 0.5, world, params=stage == 3,
                                sub_group_size=100, under_accumulate=under)
         for a, b in zip(plain, swapped):
-            _same(a, b)
+            assert_same_run(a, b)
             assert b["dtypes"] == ["torch.bfloat16"]
             # the second micro-batch reads back each unit's fp32 sum from its gradient file
             assert all(h["nvme"]["bytes_read"] > 0 for h in b["history"])
@@ -98,14 +98,14 @@ def test_any_composition_equals_the_step_without_offload(name, stage, precision,
     offload = {"params": stage in (0, 3), "sub_group_size": sub_group, "under_accumulate": under and micro is not None}
     plain, swapped = _pair(name, stage, precision, micro, clip, world, **offload)
     for a, b in zip(plain, swapped):
-        _same(a, b)
+        assert_same_run(a, b)
 
 
 def persistent_run(offload: bool) -> dict:
     """zero3 with a persistence threshold over every unit but the largest: replicated units."""
     import cases
 
-    rank, world, model, shape_model, loss_fn = cases._setup("deep_mlp", KW["deep_mlp"], 0)
+    rank, world, model, shape_model, loss_fn = cases._setup("deep_mlp", MODEL_KW["deep_mlp"], 0)
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-3))
     step = zf.zero3(zf.offload_nvme(step, SWAP) if offload else step, persistence_threshold=200)
     with step.init(model) as state:
@@ -128,11 +128,11 @@ def test_units_under_the_persistence_threshold_stay_in_memory(world):
 def test_fp16_overflow_skips_and_leaves_the_files_untouched():
     """An inf on one rank at step 1: every rank skips, the state on disk is bit for bit unchanged."""
     precision = {"dtype": torch.float16, "loss_scale": "dynamic"}
-    args = ("deep_mlp", KW["deep_mlp"], 3, 3, 4, 0, precision, None, None, False, None, False, [(), (1,), ()])
+    args = ("deep_mlp", MODEL_KW["deep_mlp"], 3, 3, 4, 0, precision, None, None, False, None, False, [(), (1,), ()])
     plain = workers(2).run(run_composed, *args)
     swapped = workers(2).run(run_composed, *args, nvme())
     for a, b in zip(plain, swapped):
-        _same(a, b)
+        assert_same_run(a, b)
         assert [h["skipped"] for h in b["history"]] == [h["skipped"] for h in a["history"]]
         assert b["history"][1]["skipped"] and b["history"][1]["unchanged"]
         assert not b["history"][2]["skipped"] and not b["history"][2]["unchanged"]
@@ -480,64 +480,6 @@ def test_optimizer_state_in_ram_with_parameters_on_disk(tmp_path):
 # ------------------------------------------------------------------ the CUDA path's order, on the CPU
 
 
-class LazyCopies(zf.swap.Device):
-    """The GPU's copies with CPU tensors: an upload's source must stay unchanged until an event
-    recorded after it is waited for (else a pinned buffer was reused under a copy in flight), and
-    a download lands only then (until then its destination holds NaN, so a read too early shows)."""
-
-    counts = {"upload": 0, "download": 0, "sync": 0}
-
-    def __init__(self, device):
-        super().__init__(device)
-        self.copies = True
-        self.queue = []  # (serial, kind, dst, src as it was when queued, src)
-        self.serial = 0
-
-    def _land(self, upto: float) -> None:
-        """Copies queued before ``upto`` are done now; every later upload's source still unchanged."""
-        for n, kind, dst, was, src in self.queue:
-            if kind == "upload":
-                assert torch.equal(was, src), "a pinned buffer changed while its upload was in flight"
-            elif n < upto:
-                dst.copy_(was)
-        self.queue = [e for e in self.queue if e[0] >= upto]
-
-    def _queue(self, kind, dst, src):
-        self._land(-1)  # nothing lands, but nothing queued may have changed meanwhile
-        LazyCopies.counts[kind] += 1
-        self.queue.append((self.serial, kind, dst, src.clone(), src))
-        self.serial += 1
-
-    def upload(self, dst, src):
-        self._queue("upload", dst, src)
-        return dst.copy_(src)  # the device's stream runs it before any compute that reads dst
-
-    def download(self, dst, src):
-        self._queue("download", dst, src)
-        return dst.fill_(float("nan"))
-
-    def event(self):
-        mark, device = self.serial, self
-
-        class Event:
-            @staticmethod
-            def synchronize():
-                LazyCopies.counts["sync"] += 1
-                device._land(mark)
-        return Event
-
-
-def lazy_copies_run(*args) -> dict:
-    """``run_composed`` with every offload_nvme store copying through ``LazyCopies``."""
-    saved, zf.swap.device_for = zf.swap.device_for, LazyCopies
-    LazyCopies.counts.update(upload=0, download=0, sync=0)
-    try:
-        out = run_composed(*args)
-    finally:
-        zf.swap.device_for = saved
-    return out | {"copies": dict(LazyCopies.counts)}
-
-
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("precision,micro", [(None, None), ({"dtype": torch.bfloat16}, 2)])
 def test_device_copies_keep_their_order(precision, micro, world):
@@ -545,11 +487,11 @@ def test_device_copies_keep_their_order(precision, micro, world):
     tensors standing in for the GPU, copies landing late: bit for bit the step without offload,
     no buffer reused under a copy in flight, no host read before its copy landed; small
     sub-groups, so the resident sub-group's buffers are uploaded and written into too."""
-    args = ("gpt", KW["gpt"], 3, 3, 2, 0, precision, micro, 0.5)
+    args = ("gpt", MODEL_KW["gpt"], 3, 3, 2, 0, precision, micro, 0.5)
     plain = workers(world).run(run_composed, *args)
     lazy = workers(world).run(lazy_copies_run, *args, False, None, False, None, nvme(sub_group_size=1000))
     for a, b in zip(plain, lazy):
-        _same(a, b)
+        assert_same_run(a, b)
         assert b["copies"]["upload"] > 0 and b["copies"]["download"] > 0 and b["copies"]["sync"] > 0
     assert _left_behind() == []
 

@@ -16,6 +16,7 @@ from torch import nn
 
 import zfunc as zf
 from cases import run_composed
+from models import SeededNet
 from workers import workers
 from zfunc.transforms.offload import plan as offload_plan, rates
 from zfunc.engine import compose as engine_compose
@@ -74,21 +75,6 @@ def test_a_plan_prints_saves_and_loads(tmp_path):
     assert json.loads(plan.to_json())["device_units"] == ["", "blocks.0"]
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(6, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
-        self.out = nn.Linear(16, 2)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
 def _step(precision=False, **offload):
     def loss_fn(params, b):
         return nn.functional.mse_loss(zf.apply(model_holder[0], params, b[0]).float(), b[1])
@@ -102,7 +88,7 @@ def _step(precision=False, **offload):
 
 def _train(steps=3, precision=False, **offload):
     step, holder = _step(precision, **offload)
-    model = holder[0] = Net()
+    model = holder[0] = SeededNet()
     state = step.init(model)
     g = torch.Generator().manual_seed(1)
     history = []
@@ -135,7 +121,7 @@ def test_a_split_step_equals_the_unsplit_one_bit_for_bit(precision, tmp_path):
 
 def test_the_planned_split_comes_back_from_a_saved_plan(tmp_path):
     step, holder = _step()
-    holder[0] = Net()
+    holder[0] = SeededNet()
     # the root's (inp and out, 146 parameters) and two blocks' fp32 Adam moments fit (8 bytes a parameter), the third's not
     plan = zf.plan_offload(step, holder[0], budget=(160 + 2 * 16 * 17) * 8, rates=FAST)
     assert plan.device_units == ("", "blocks.0", "blocks.1") and plan.host_units == ("blocks.2",)
@@ -278,7 +264,7 @@ def test_accumulated_sums_leave_the_device_in_the_last_backward(monkeypatch, off
         def loss_fn(params, b):
             return nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
 
-        model = Net()
+        model = SeededNet()
         step = zf.train_step(loss_fn, zf.optim.adamw(1e-2), units=lambda name, m: isinstance(m, nn.Sequential))
         step = zf.zero3(zf.offload_cpu(zf.accumulate(step, 3), **offload))
         state = step.init(model)
@@ -321,7 +307,7 @@ def test_an_nvme_step_reports_its_disk_roofline_where_the_disk_was_measured(tmp_
     def loss_fn(params, b):
         return nn.functional.mse_loss(zf.apply(model, params, b[0]), b[1])
 
-    model = Net()
+    model = SeededNet()
     step = zf.zero3(zf.offload_nvme(zf.train_step(loss_fn, zf.optim.adamw(1e-2),
                                                   units=lambda name, m: isinstance(m, nn.Sequential)), swap))
     with step.init(model) as state:
@@ -399,7 +385,7 @@ def test_the_host_plan_fits_its_budget_and_sends_the_rest_to_disk(sizes, budget)
 
 
 def _nvme_train(swap, precision=False, steps=3, **split):
-    model = Net()
+    model = SeededNet()
 
     def loss_fn(params, b):
         return nn.functional.mse_loss(zf.apply(model, params, b[0]).float(), b[1])
@@ -434,7 +420,7 @@ def test_optimizer_state_kept_in_host_memory_equals_it_on_disk(tmp_path, precisi
 
 
 def test_the_host_plan_is_made_saved_and_passed_back(tmp_path):
-    model = Net()
+    model = SeededNet()
     step = zf.zero3(zf.offload_nvme(zf.train_step(lambda p, b: 0, zf.optim.adamw(1e-2),
                                                   units=lambda name, m: isinstance(m, nn.Sequential)), tmp_path / "s"))
     plan = zf.plan_offload(step, model, host_budget=(160 + 16 * 17) * 12)
