@@ -3,14 +3,12 @@ import sys
 
 import pytest
 
-# The shared harness (tests/harness: workers, cases, models, the Adam reference, the memory reader)
-# and every test folder go on the path, so a test imports a helper or another test's function by
-# its module name, and the worker processes (which start with this path) find them too.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _folder, _dirs, _files in sorted(os.walk(_HERE), reverse=True):
-    if "__pycache__" not in _folder:
-        sys.path.insert(0, _folder)
-sys.path.insert(0, os.path.join(_HERE, "harness"))
+# The shared harness (tests/harness, docs/testing.md) goes on the path: tests import its modules by
+# name, and the worker processes, which start with this path, find them too. A test module never
+# imports another (tests/core/test_test_imports.py); pytest's default import mode puts each test
+# file's own folder on the path as it collects it, so a worker still finds a test's top-level
+# function by its module name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness"))
 
 from workers import close_all  # noqa: E402
 
