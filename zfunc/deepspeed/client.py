@@ -36,12 +36,14 @@ SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 DEEPSPEED_ADAMS = ("FusedAdam", "DeepSpeedCPUAdam")
 
 
-def optimizer_from_client(optimizer: torch.optim.Optimizer, model: nn.Module, lr_scheduler=None) -> optim.Optimizer:
+def optimizer_from_client(optimizer: torch.optim.Optimizer, model: nn.Module, lr_scheduler=None,
+                          live_lrs: list | None = None) -> optim.Optimizer:
     """The zfunc optimizer for a script's ``optimizer`` over ``model``'s parameters: its class's
     math, each param group's hyperparameters (the first group's as the optimizer's own, the
     others as ``zf.optim.group`` of their parameters' names) and, given ``lr_scheduler`` (an
     object built on ``optimizer``, or a callable ``optimizer -> scheduler``), each group's lr,
-    betas or momentum at every update as the scheduler sets them."""
+    betas or momentum at every update as the scheduler sets them. ``live_lrs``: instead, each
+    group's lr as a ``step -> lr`` read when the update runs (zfunc.engine.handles.LiveLr)."""
     kind, keys = _kind(optimizer)
     if kind != "sgd" and type(optimizer) is torch.optim.Adam:
         modes = {bool(g.get("decoupled_weight_decay", False)) for g in optimizer.param_groups}
@@ -53,6 +55,8 @@ def optimizer_from_client(optimizer: torch.optim.Optimizer, model: nn.Module, lr
     if lr_scheduler is not None:
         table = _Table(_scheduler_on_copy(lr_scheduler, optimizer))
         values = [{key: _scheduled(table, k, key, v) for key, v in row.items()} for k, row in enumerate(values)]
+    elif live_lrs is not None:
+        values = [{**row, "lr": live_lrs[k]} for k, row in enumerate(values)]
     own = values[0]
     groups = []
     for k in range(1, len(values)):

@@ -1,20 +1,64 @@
-"""The engine ``zfunc.deepspeed.initialize`` returns: zfunc's ``Engine`` where DeepSpeed's semantics
-differ from ``zf.initialize``'s.
+"""The engine ``zfunc.deepspeed.initialize`` returns: zfunc's ``Engine`` as DeepSpeed's clients
+(transformers' ``Trainer``, accelerate, peft) hold it.
 
-One difference: ``load_checkpoint`` leaves the random number generators as they are, as
-DeepSpeed's does (it saves no RNG state), where zfunc's checkpoints put back the RNG state of
-the save so that a resumed run draws what the uninterrupted one would have. A DeepSpeed script
-that seeds, builds a fresh model and loads gets DeepSpeed's dropout masks after the load.
+Like DeepSpeed's ``DeepSpeedEngine`` it is an ``nn.Module`` whose child is the user's model
+(``isinstance(engine, torch.nn.Module)``; accelerate unwraps it through ``.module``), and its
+``config`` reads as the config dict (``engine.config.get("zero_optimization", {})``).
+
+- ``engine.module`` is the user's model itself. Outside a step its forward runs on the engine's
+  current weights, as inside ``zf.bind`` (each unit gathered as the forward reaches it, no
+  gradients, every rank calling it), so ``engine.module(x)`` and ``engine.module.generate(...)``
+  work as under DeepSpeed; inside ``engine(batch)`` it is the step's forward. Its
+  ``state_dict()`` holds the weights in the dtype the model computes in (what DeepSpeed's module
+  holds at ZeRO stages 0-2), gathered: every rank calls it (accelerate's ``get_state_dict``
+  does). Under ZeRO-3 its parameters carry DeepSpeed's ``ds_id``, ``ds_status``, ``ds_numel``
+  and ``ds_shape``, so clients take their "gather first" branch, which
+  ``zero.GatheredParameters`` serves.
+- ``_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=)`` and
+  ``zero_gather_16bit_weights_on_model_save()`` are what accelerate and the Trainer save with.
+- ``load_checkpoint`` leaves the random number generators as they are, as DeepSpeed's does (it
+  saves no RNG state), where zfunc's checkpoints put back the RNG state of the save so that a
+  resumed run draws what the uninterrupted one would have. A DeepSpeed script that seeds, builds
+  a fresh model and loads gets DeepSpeed's dropout masks after the load.
 """
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
+from torch import nn
 
+from .. import dist, lazy
+from ..engine import sixteen_bit
 from ..engine.engine import Engine
+from .zero import ZeroParamStatus
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(Engine, nn.Module):
     """See the module docstring."""
+
+    def __init__(self, model: nn.Module, cfg, **kwargs):
+        nn.Module.__init__(self)
+        Engine.__init__(self, model, cfg, **kwargs)
+        _bind_outside_steps(self, model)
+        if self.zero_optimization_partition_weights():
+            _mark_partitioned(model)
+
+    # nn.Module.__init__ sets ``training``; the mode is the model's (Engine.train / eval)
+    @property
+    def training(self) -> bool:
+        model = self.__dict__.get("_modules", {}).get("model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        pass
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model; outside a step it runs on the engine's weights (the module docstring)."""
+        return self.model
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *args, **kwargs):
         cpu = torch.get_rng_state()
@@ -25,3 +69,61 @@ class DeepSpeedEngine(Engine):
             torch.set_rng_state(cpu)
             if cuda is not None:
                 torch.cuda.set_rng_state_all(cuda)
+
+    # ------------------------------------------------------------ 16-bit weights
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether the config's ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is set."""
+        return sixteen_bit.gathers_on_save(self.config)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The model's whole ``state_dict`` in its compute dtype on rank 0 (``{}`` on the others), as
+        DeepSpeed's; ``exclude_frozen_parameters``: without the parameters that do not train (a peft
+        model's base). Every rank calls it."""
+        keys = self.state_dict_keys
+        if exclude_frozen_parameters:
+            frozen = {name for name, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            keys = [k for k in keys if k not in frozen]
+        weights = sixteen_bit.state_dict(self.state, keys, self.config.compute_dtype)
+        return weights if dist.rank() == 0 else {}
+
+    _consolidated_16bit_state_dict = _zero3_consolidated_16bit_state_dict
+
+
+def _bind_outside_steps(engine: DeepSpeedEngine, model: nn.Module) -> None:
+    """The model's forward, called outside a step (no resolver of zfunc.lazy active), runs inside
+    ``zf.bind`` on the engine's current state; its ``state_dict()`` gathers the stand-ins' values."""
+    from ..residency import bind
+
+    ref = weakref.ref(engine)
+    original = model.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        owner = ref()
+        if lazy.current() is not None or owner is None:
+            return original(*args, **kwargs)
+        with bind(owner.state, model) as bound:
+            return bound(*args, **kwargs)
+
+    model.forward = forward
+
+    def values(module, state_dict, prefix, local_metadata):
+        owner = ref()
+        if owner is None or lazy.current() is not None:
+            return
+        held = [k for k, v in state_dict.items() if k.startswith(prefix) and lazy.is_lazy(v)]
+        if held:
+            got = sixteen_bit.state_dict(owner.state, [k[len(prefix):] for k in held], owner.config.compute_dtype)
+            for k in held:
+                state_dict[k] = got[k[len(prefix):]]
+
+    model.register_state_dict_post_hook(values)
+
+
+def _mark_partitioned(model: nn.Module) -> None:
+    """DeepSpeed's ZeRO-3 attributes on the stand-ins, which clients test (``hasattr(p, "ds_id")``)."""
+    for i, p in enumerate(model.parameters()):
+        if lazy.is_lazy(p):
+            p.ds_id, p.ds_status = i, ZeroParamStatus.NOT_AVAILABLE
+            p.ds_numel, p.ds_shape = p.numel(), p.shape

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..engine.handles import OptimizerHandle, SchedulerHandle
+from ..engine.handles import LiveGroup, LiveLr, OptimizerHandle, SchedulerHandle
 from ..optim import Optimizer, lr as lr_schedules
 from ..initialization import config_for, engine_for
 from ..pipeline import PipelineModule
@@ -149,10 +149,12 @@ def _optimizer_and_schedule(cfg, model, optimizer, model_parameters, lr_schedule
     if lr_scheduler is not None:  # each group's lr as the scheduler sets it (read off copies before any step)
         group_schedules = [client.schedule_from_client(lr_scheduler, optimizer, group=k)
                            for k in range(len(optimizer.param_groups))]
-    else:
-        group_schedules = [lr_schedules.constant(float(g["lr"])) for g in optimizer.param_groups]
-    zopt = client.optimizer_from_client(optimizer, model, lr_scheduler=lr_scheduler)
     groups = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
+    live = None
+    if lr_scheduler is None:  # the lr is what the returned optimizer's groups hold: a scheduler built on it sets it
+        groups = [LiveGroup(g, lr=float(o["lr"])) for g, o in zip(groups, optimizer.param_groups)]
+        group_schedules = live = [LiveLr(groups, k) for k in range(len(groups))]
+    zopt = client.optimizer_from_client(optimizer, model, lr_scheduler=lr_scheduler, live_lrs=live)
     kind = None
     if lr_scheduler is not None:
         kind = "deepspeed" if isinstance(lr_scheduler, _ConfigScheduler) else "torch"

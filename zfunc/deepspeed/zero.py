@@ -31,6 +31,7 @@ the engine at the block's entry and exit.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import json
 import weakref
@@ -43,7 +44,16 @@ from ..state import State, check_usable, master_params, unit_values, write_param
 from ..unit_init import ParameterInit
 from ..weights import hf_init
 
-__all__ = ["GatheredParameters", "Init", "register_engine"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_engine"]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's partitioned parameter status (its values), which an engine's ZeRO-3 stand-ins
+    carry as ``ds_status``: outside ``GatheredParameters`` they are not available."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
 
 _ENGINE = "_zfunc_engine"  # the attribute on a stand-in: a weak reference to its engine
 

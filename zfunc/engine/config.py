@@ -190,6 +190,21 @@ class Config:
             return torch.bfloat16
         return None
 
+    # The config as DeepSpeed's engine keeps it (``engine.config``, a dict): clients read its keys
+    # (transformers' Trainer: ``engine.config.get("zero_optimization", {})``).
+
+    def get(self, key, default=None):
+        return self.raw.get(key, default)
+
+    def __getitem__(self, key):
+        return self.raw[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.raw
+
+    def keys(self):
+        return self.raw.keys()
+
 
 # ---------------------------------------------------------------------- entry points
 
@@ -213,7 +228,7 @@ def parse(config: Mapping[str, Any] | str | os.PathLike, world_size: int) -> Con
     clip = top.get("gradient_clipping", "float", 1.0, lo=0.0)
     zero = _zero(top.sub("zero_optimization", auto_is_default=True))
     aio = _aio(top.sub("aio"))
-    steps_per_print = top.get("steps_per_print", "int", None, lo=1, nullable=True)
+    steps_per_print = _steps_per_print(top)
     wall_clock = top.get("wall_clock_breakdown", "bool", False)
     compile_ = _compile(top.sub("compile", auto_is_default=True), ignored)
     _top_level_rest(top)
@@ -224,6 +239,15 @@ def parse(config: Mapping[str, Any] | str | os.PathLike, world_size: int) -> Con
         aio=aio, steps_per_print=steps_per_print, wall_clock_breakdown=wall_clock, ignored=tuple(ignored),
         raw=raw, compile=compile_,
     )
+
+
+def _steps_per_print(top) -> int | None:
+    """``steps_per_print``; ``inf`` (what accelerate writes for the Trainer) is never, as None."""
+    value = top.data.get("steps_per_print")
+    if isinstance(value, float) and value == float("inf"):
+        top.known.append("steps_per_print")
+        return None
+    return top.get("steps_per_print", "int", None, lo=1, nullable=True)
 
 
 def warn_ignored(config: Config) -> None:

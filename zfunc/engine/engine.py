@@ -163,6 +163,7 @@ class Engine(Loop):
         self._start_counting()
         self.micro_steps = 0  # step() calls (DeepSpeed's count), gradient_accumulation_steps per train_batch
         self._window: Window | None = None  # the imperative style's step in progress (zfunc.engine.imperative)
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's, over the count
         # what deepspeed.initialize returns beside the engine (zfunc.engine.handles)
         self.optimizer = OptimizerHandle(self)
         self.lr_scheduler = SchedulerHandle(self) if self.lr_schedule is not None else None
@@ -254,11 +255,13 @@ class Engine(Loop):
             return inputs[0] if len(inputs) == 1 else inputs
         return kwargs if not inputs else _Inputs(inputs, kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Differentiate ``loss`` (a scalar built from what ``engine(batch)`` returned), as DeepSpeed's
         ``engine.backward``: its gradients are added to the step's, scaled by
         ``1/gradient_accumulation_steps`` (and fp16's loss scale, unscaled in the update), until the
         ``step()`` at the accumulation boundary. Returns ``loss / gradient_accumulation_steps``.
+        ``scale_wrt_gas=False`` (transformers' Trainer, whose loss is already divided): the
+        gradients are added as they are, and ``loss`` is returned as it is.
         """
         scalar_loss(loss, "engine.backward takes")
         window = self._window
@@ -268,12 +271,14 @@ class Engine(Loop):
             raise ValueError(
                 "engine.backward(loss): the loss must be built from what engine(batch) returned with gradients on "
                 "(not under torch.no_grad()), since the last backward through it or the last update")
+        gas = self.gradient_accumulation_steps()
         try:  # at the boundary, whole gradients are reduced now
-            window.backward(self.step_fn, loss, self.is_gradient_accumulation_boundary(), retain_graph)
+            window.backward(self.step_fn, loss, self.is_gradient_accumulation_boundary(), retain_graph,
+                            1.0 if scale_wrt_gas else float(gas))
         except BaseException:  # the step's sums are incomplete: it is abandoned
             self._window = None
             raise
-        return loss.detach() / self.gradient_accumulation_steps()
+        return loss.detach() / gas if scale_wrt_gas else loss.detach()
 
     def step(self) -> None:
         """The update, at a gradient accumulation boundary (every ``gradient_accumulation_steps``-th
@@ -299,8 +304,18 @@ class Engine(Loop):
         self.optimizer.zero_grad()
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next ``step()`` makes the update (DeepSpeed's rule, on its count of steps)."""
+        """Whether the next ``step()`` makes the update (DeepSpeed's rule, on its count of steps,
+        unless ``set_gradient_accumulation_boundary`` said otherwise)."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Whether the next ``backward`` / ``step()`` is the accumulation boundary, over the count
+        (DeepSpeed's; accelerate calls it before each backward with its own sync flag, so an epoch
+        whose last update has fewer micro-batches ends with an update, as under DeepSpeed). Holds
+        until it is set again, as in DeepSpeed."""
+        self._boundary = bool(is_boundary)
 
     def _no_step_in_progress(self, what: str) -> None:
         """Forwards no backward went through are dropped; a step with gradients must end first."""
@@ -378,20 +393,24 @@ class Engine(Loop):
         """The whole training state under ``save_dir/tag`` (default ``global_step{N}``, as DeepSpeed
         names it) and ``save_dir/latest`` naming it; every rank calls it; returns the checkpoint's
         folder (zfunc.checkpoint). ``client_state``: a JSON-serializable dict ``load_checkpoint``
-        returns. DeepSpeed's ``save_latest=False`` and ``exclude_frozen_parameters=True`` raise."""
+        returns. ``exclude_frozen_parameters=True`` (every peft save of transformers' Trainer): the
+        checkpoint is marked so, and its load keeps the frozen parameters the loading model holds,
+        as DeepSpeed's (the files still hold them: zfunc's checkpoint format writes every unit).
+        DeepSpeed's ``save_latest=False`` raises."""
         if not save_dir:
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         if not save_latest:
             raise NotImplementedError("save_checkpoint(save_latest=False) is not supported yet: a zfunc checkpoint "
                                       "always updates save_dir/latest when it is complete")
-        if exclude_frozen_parameters:
-            raise NotImplementedError("save_checkpoint(exclude_frozen_parameters=True) is not supported yet")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         client_state = _json_client_state(client_state)
         extra = {"engine": self._counters(),
                  "scheduler": {"last_step": int(self.state.count)},
                  "config": self.config.raw, "state_dict_keys": self.state_dict_keys,
-                 "client_state": client_state}
+                 "client_state": client_state, "frozen_excluded": bool(exclude_frozen_parameters)}
+        lrs = getattr(self.optimizer, "live_lrs", lambda: None)()
+        if lrs is not None:
+            extra["live_lrs"] = lrs
         return checkpoint.save(self.state, save_dir, tag, extra=extra, group=self.group)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -399,14 +418,16 @@ class Engine(Loop):
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
         """Load a checkpoint saved at any world size and composition; returns ``(its folder,
         client_state)``. Without ``tag``, the one ``load_dir/latest`` names; with no ``latest``
-        there, ``(None, None)`` and a warning, as DeepSpeed returns. DeepSpeed's partial loads
-        (``load_module_only``, ``load_optimizer_states=False``, ``load_lr_scheduler_states=False``,
-        ``load_module_strict=False``, ``custom_load_fn``) raise: the whole state is loaded."""
+        there, ``(None, None)`` and a warning, as DeepSpeed returns. A checkpoint saved with
+        ``exclude_frozen_parameters=True`` leaves the frozen parameters as this engine holds them.
+        ``load_module_strict=False`` is accepted (zfunc's checkpoint is of the same model, checked
+        name by name). DeepSpeed's other partial loads (``load_module_only``,
+        ``load_optimizer_states=False``, ``load_lr_scheduler_states=False``, ``custom_load_fn``)
+        raise: the whole state is loaded."""
         for given, what in ((load_module_only, "load_module_only=True"),
                             (not load_optimizer_states, "load_optimizer_states=False"),
                             (not load_lr_scheduler_states, "load_lr_scheduler_states=False (the schedule follows "
                                                            "the optimizer's update count, which is loaded)"),
-                            (not load_module_strict, "load_module_strict=False"),
                             (custom_load_fn is not None, "custom_load_fn")):
             if given:
                 raise NotImplementedError(f"load_checkpoint({what}) is not supported yet: zfunc loads the whole "
@@ -417,8 +438,18 @@ class Engine(Loop):
                           UserWarning, stacklevel=2)
             return None, None
         folder = checkpoint.resolve(load_dir, tag)
+        with open(os.path.join(folder, "manifest.json")) as f:
+            excluded = json.load(f).get("frozen_excluded", False)
+        frozen = _frozen_values(self.state) if excluded else None
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
+        if frozen is not None:
+            for leaf, value in zip(self.state.frozen.leaves, frozen):
+                with torch.no_grad():
+                    leaf.copy_(value)
         self._restore_counters(manifest)
+        restore = getattr(self.optimizer, "restore_live_lrs", None)
+        if restore is not None:
+            restore(manifest.get("live_lrs"))
         return folder, manifest.get("client_state", {})
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -455,6 +486,15 @@ class Engine(Loop):
         """DeepSpeed's ``engine.reload_states``: the state back on the device (zfunc.engine.residency)."""
         from . import residency
         residency.reload(self, non_blocking)
+
+
+def _frozen_values(state) -> list[torch.Tensor]:
+    """Copies of this rank's frozen leaves, put back after a load of a checkpoint that excluded them."""
+    from .. import swap
+    if any(swap.on_disk(leaf) for leaf in state.frozen.leaves):
+        raise NotImplementedError("load_checkpoint of a checkpoint saved with exclude_frozen_parameters=True, with the "
+                                  "frozen parameters on NVMe (offload_param nvme): not supported; save without it")
+    return [leaf.detach().clone() for leaf in state.frozen.leaves]
 
 
 def _json_client_state(client_state) -> dict:

@@ -26,16 +26,45 @@ class ParamGroup(dict):
         super().__setitem__(key, value)
 
 
-class OptimizerHandle:
-    """``engine.optimizer``: the engine's optimizer as scripts read it (see the module docstring)."""
+class LiveGroup(dict):
+    """One param group of a script's optimizer that no schedule drives (``deepspeed.initialize``
+    given a torch optimizer and no scheduler): its ``lr`` is what the next update uses, so a
+    scheduler the script builds on the returned optimizer afterwards (transformers' Trainer does)
+    sets it by writing here, as it writes a torch optimizer's groups under DeepSpeed."""
 
-    def __init__(self, engine, hyperparameters: list[dict] | None = None):
+
+class LiveLr:
+    """``step -> lr`` of live group ``k``: the value its ``lr`` holds when the update runs."""
+
+    def __init__(self, groups: list[LiveGroup], k: int):
+        self.groups, self.k = groups, k
+
+    def __call__(self, step) -> float:
+        return float(self.groups[self.k]["lr"])
+
+
+class OptimizerHandle:
+    """``engine.optimizer``: the engine's optimizer as scripts read it (see the module docstring).
+    ``live``: the script's groups whose lr the script sets (``LiveGroup``), returned as they are."""
+
+    def __init__(self, engine, hyperparameters: list[dict] | None = None, live: list[LiveGroup] | None = None):
         self._engine = engine
         self._groups = hyperparameters
+        if live is None and hyperparameters and all(isinstance(g, LiveGroup) for g in hyperparameters):
+            live = hyperparameters
+        self.live = live
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last update was skipped (fp16's overflow, a non-finite gradient): DeepSpeed's
+        optimizer's flag, which accelerate reads as ``step_was_skipped``."""
+        return bool(self._engine.last_metrics.get("skipped", False))
 
     @property
     def param_groups(self) -> list[ParamGroup]:
         """One group per lr the engine reports, each with its hyperparameters and the next lr."""
+        if self.live is not None:
+            return self.live
         lrs = self._engine.get_lr()
         base = self._groups or [_config_hyperparameters(self._engine.config)]
         if not lrs:  # an optimizer that does not say its lr
@@ -62,6 +91,15 @@ class OptimizerHandle:
         ``engine.save_checkpoint`` writes them)."""
         return {"param_groups": [dict(g) for g in self.param_groups],
                 "state": {"step": update_count(self._engine.state.opt_state)}}
+
+    def live_lrs(self) -> list[float] | None:
+        """The live groups' lrs (what a checkpoint keeps, as DeepSpeed's keeps its optimizer's groups)."""
+        return None if self.live is None else [float(g["lr"]) for g in self.live]
+
+    def restore_live_lrs(self, lrs) -> None:
+        if self.live is not None and lrs is not None and len(lrs) == len(self.live):
+            for g, lr in zip(self.live, lrs):
+                g["lr"] = lr
 
     def load_state_dict(self, state_dict: dict):
         raise NotImplementedError("optimizer.load_state_dict(): load the whole training state with "

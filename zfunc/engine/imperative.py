@@ -165,16 +165,18 @@ class Window:
         p.watch(out)
         return out
 
-    def backward(self, step: Step, loss: torch.Tensor, last: bool, retain_graph: bool) -> None:
-        """Add ``loss``'s gradients to the step's sums; ``last``: the accumulation boundary's
-        backward, which reduces whole gradients. An error closes every pass (the sums are
-        incomplete: the caller abandons the step)."""
+    def backward(self, step: Step, loss: torch.Tensor, last: bool, retain_graph: bool, factor: float = 1.0) -> None:
+        """Add ``loss``'s gradients to the step's sums, times ``factor`` (``grad_out`` divides the sums
+        by the accumulation steps: a loss the caller already scaled comes with ``factor`` = those
+        steps); ``last``: the accumulation boundary's backward, which reduces whole gradients. An
+        error closes every pass (the sums are incomplete: the caller abandons the step)."""
         sums = self.sums
         sums.last = last
         sums.reached = set()
         try:
             with step.continuing(), lazy.resolving(self.passes[-1].tracker):
-                torch.autograd.backward(loss if self.scale is None else loss * self.scale, retain_graph=retain_graph)
+                scale = factor if self.scale is None else factor * self.scale
+                torch.autograd.backward(loss if scale == 1.0 else loss * scale, retain_graph=retain_graph)
                 if not retain_graph:  # their gradients are all in: their gathered buffers go
                     self.close([p for p in self.passes if p.tracker in sums.reached])
         except BaseException as e:
