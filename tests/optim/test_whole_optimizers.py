@@ -1,0 +1,130 @@
+"""Whole-tensor optimizers (zf.optim.muon, adafactor, from_torch, multi) equal torch.optim's classes:
+on plain tensors, and on a model's flat buffers at W = 1 replicated and under zero1/2/3."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zfunc as zf
+from assertions import assert_close_to
+from models import batch, build, local, loss
+from optim_reference import (ADAMW, MUON, problem, recipe_label, torch_on_tensors, torch_recipe, train_torch,
+                             zfunc_on_tensors, zfunc_recipe)
+from zfunc.testing import assert_trees_all_close
+
+STEPS = 4
+RTOL = 1e-5
+MATRICES = [(6, 4), (3, 7), (5, 5)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"nesterov": False}, {"adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.0},
+                                {"momentum": 0.9, "ns_steps": 3}])
+def test_muon_equals_torch_muon(kw):
+    params, grads = problem(MATRICES, STEPS)
+    want = torch_on_tensors(lambda ps: torch.optim.Muon(ps, lr=0.02, **kw), params, grads)
+    got = zfunc_on_tensors(zf.optim.muon(0.02, **kw), params, grads)
+    assert_trees_all_close(got, want, rtol=RTOL, atol=1e-7)
+
+
+def test_adafactor_equals_torch_adafactor():
+    shapes = MATRICES + [(5,), (2, 3, 4)]
+    params, grads = problem(shapes, STEPS)
+    for kw in ({}, {"weight_decay": 0.1, "d": 2.0}, {"eps": (1e-30, 1e-3), "beta2_decay": -0.5}):
+        want = torch_on_tensors(lambda ps: torch.optim.Adafactor(ps, lr=0.05, **kw), params, grads)
+        got = zfunc_on_tensors(zf.optim.adafactor(0.05, **kw), params, grads)
+        assert_trees_all_close(got, want, rtol=RTOL, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls, kw", [
+    (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.5, "centered": True}),
+    (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
+    (torch.optim.Adafactor, {"lr": 0.05}),
+    (torch.optim.Muon, {"lr": 0.02}),
+    (torch.optim.Adamax, {"lr": 0.01}),
+])
+def test_from_torch_equals_the_class_itself(cls, kw):
+    shapes = MATRICES if cls is torch.optim.Muon else MATRICES + [(5,)]
+    params, grads = problem(shapes, STEPS)
+    want = torch_on_tensors(lambda ps: cls(ps, **kw), params, grads)
+    got = zfunc_on_tensors(zf.optim.from_torch(cls, **kw), params, grads)
+    assert_trees_all_close(got, want, rtol=RTOL, atol=1e-7)
+
+
+def test_from_torch_keeps_the_fused_path_for_elementwise_classes():
+    opt = zf.optim.from_torch(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    assert opt.defers  # zfunc's fused adamw, not the whole-tensor adapter
+    params, grads = problem(MATRICES, STEPS)
+    want = torch_on_tensors(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), params, grads)
+    assert_trees_all_close(zfunc_on_tensors(opt, params, grads), want, rtol=RTOL, atol=1e-7)
+
+
+def test_multi_equals_two_torch_optimizers_side_by_side():
+    params, grads = problem(MATRICES + [(5,)], STEPS)
+    label = lambda name: "muon" if name in ("p0", "p1") else "adamw"  # noqa: E731
+
+    def make(ps):
+        return [torch.optim.Muon(ps[:2], **MUON), torch.optim.AdamW(ps[2:], **ADAMW)]
+
+    ps = [torch.nn.Parameter(t.clone()) for t in params]
+    opts = make(ps)
+    for g in grads:
+        for p, x in zip(ps, g):
+            p.grad = x.clone()
+        for o in opts:
+            o.step()
+    opt = zf.optim.multi({"muon": zf.optim.muon(**MUON), "adamw": zf.optim.adamw(**ADAMW)}, label)
+    got = zfunc_on_tensors(opt, params, grads)
+    assert_trees_all_close(got, [p.detach() for p in ps], rtol=RTOL, atol=1e-7)
+
+
+def test_errors_name_the_parameter_and_what_to_do():
+    with pytest.raises(ValueError, match=r"muon: parameter 'b' has shape \(5,\); Muon updates 2-D matrices only"):
+        zf.optim.muon(0.02).init({"w": torch.zeros(3, 4), "b": torch.zeros(5)})
+    with pytest.raises(ValueError, match=r"multi: parameter 'b' is labelled 'sgd', which names no optimizer"):
+        zf.optim.multi({"muon": zf.optim.muon(0.02)}, lambda n: "sgd").init({"b": torch.zeros(5)})
+    with pytest.raises(TypeError, match="give a torch.optim.Optimizer class"):
+        zf.optim.from_torch(torch.nn.Linear)
+
+
+# ------------------------------------------------------------ on a model's flat buffers, W = 1
+
+
+def train(stage: int, steps: int, per_rank: int, opt_name: str = "recipe", ns_dtype=torch.bfloat16,
+          dtype=torch.float32) -> dict:
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model, twin = build("gpt").to(dtype), build("gpt").to(dtype)
+
+    def loss_fn(params, b):
+        x, y = b
+        return loss("gpt", zf.apply(model, params, x), y)
+
+    opt = {"recipe": lambda: zfunc_recipe(ns_dtype),
+           "adafactor": lambda: zf.optim.adafactor(0.05),
+           "rmsprop": lambda: zf.optim.from_torch(torch.optim.RMSprop, lr=1e-3, momentum=0.5)}[opt_name]()
+    step = zf.train_step(loss_fn, opt)
+    if stage:
+        step = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+    state = step.init(model)
+    for i in range(steps):
+        state, _ = step(state, local(batch("gpt", twin, i, per_rank * world), rank, world))
+    return zf.gather_params(state)
+
+
+TORCH = {"recipe": torch_recipe,
+         "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.05)],
+         "rmsprop": lambda m: [torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5)]}
+
+
+@pytest.mark.parametrize("opt_name", list(TORCH))
+def test_whole_tensor_optimizers_on_a_model_at_w1(opt_name):
+    """Muon + AdamW (the recipe), Adafactor and RMSprop through from_torch on the GPT's flat buffers:
+    replicated and under zero1/2/3 at W = 1, equal to torch's optimizers on the model itself."""
+    expected = train_torch("gpt", TORCH[opt_name], STEPS, 4)
+    for stage in (0, 1, 2, 3):
+        assert_close_to(train(stage, STEPS, 4, opt_name), expected)
+
+
+def test_recipe_labels_the_blocks_matrices():
+    names = [n for n, _ in build("gpt").named_parameters()]
+    muon = [n for n in names if recipe_label(n) == "muon"]
+    assert muon and all(n.startswith("blocks.") for n in muon) and "tok.weight" not in muon
