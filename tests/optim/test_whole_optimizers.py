@@ -8,6 +8,7 @@ import torch
 import zfunc as zf
 from assertions import assert_close_to
 from models import batch, build, local, loss
+from workers import workers
 from optim_reference import (ADAMW, MUON, problem, recipe_label, torch_on_tensors, torch_recipe, train_torch,
                              zfunc_on_tensors, zfunc_recipe)
 from zfunc.testing import assert_trees_all_close
@@ -128,3 +129,25 @@ def test_recipe_labels_the_blocks_matrices():
     names = [n for n, _ in build("gpt").named_parameters()]
     muon = [n for n in names if recipe_label(n) == "muon"]
     assert muon and all(n.startswith("blocks.") for n in muon) and "tok.weight" not in muon
+
+
+# ------------------------------------------------------------ W = 2, 3: owners
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_recipe_under_zero_at_w2_w3_equals_torch_in_fp64(world):
+    """Muon + AdamW under zero1/2/3 on the global batch, fp64 with Newton-Schulz unrounded on both
+    sides (torch's bf16 rounding turns the ranks' differently ordered gradient sums into bf16 ulps)."""
+    expected = train_torch("gpt", torch_recipe, STEPS, 2 * world, dtype=torch.float64)
+    for stage in (0, 1, 2, 3):
+        for got in workers(world).run(train, stage, STEPS, 2, "recipe", torch.float64, torch.float64):
+            assert_close_to(got, expected)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_adafactor_and_rmsprop_under_zero_at_w2_w3(world):
+    for name in ("adafactor", "rmsprop"):
+        expected = train_torch("gpt", TORCH[name], STEPS, 2 * world)
+        for stage in (1, 2, 3):
+            for got in workers(world).run(train, stage, STEPS, 2, name):
+                assert_close_to(got, expected)

@@ -107,18 +107,31 @@ def _bind_outside_steps(engine: DeepSpeedEngine, model: nn.Module) -> None:
             return bound(*args, **kwargs)
 
     model.forward = forward
+    original_state_dict = model.state_dict
 
-    def values(module, state_dict, prefix, local_metadata):
+    @functools.wraps(original_state_dict)
+    def state_dict(*args, keep_vars: bool = False, **kwargs):
         owner = ref()
-        if owner is None or lazy.current() is not None:
-            return
-        held = [k for k, v in state_dict.items() if k.startswith(prefix) and lazy.is_lazy(v)]
-        if held:
-            got = sixteen_bit.state_dict(owner.state, [k[len(prefix):] for k in held], owner.config.compute_dtype)
-            for k in held:
-                state_dict[k] = got[k[len(prefix):]]
+        if keep_vars or owner is None or lazy.current() is not None:  # the Parameter objects: the stand-ins
+            return original_state_dict(*args, keep_vars=keep_vars, **kwargs)
+        with lazy.resolving(_Gathered(owner)):
+            return original_state_dict(*args, **kwargs)
 
-    model.register_state_dict_post_hook(values)
+    model.state_dict = state_dict
+
+
+class _Gathered:
+    """The resolver a ``state_dict()`` outside a step reads stand-ins through (zfunc.lazy): every
+    parameter gathered on first use, in the compute dtype (every rank calls it)."""
+
+    def __init__(self, engine: DeepSpeedEngine):
+        self.engine, self.values = engine, None
+
+    def resolve(self, name: str) -> torch.Tensor:
+        if self.values is None:
+            names = [n for n, _ in self.engine.model.named_parameters()]
+            self.values = sixteen_bit.state_dict(self.engine.state, names, self.engine.config.compute_dtype)
+        return self.values[name]
 
 
 def _mark_partitioned(model: nn.Module) -> None:

@@ -44,7 +44,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError("deepspeed.initialize requires a model")
     if mpu is not None:
         raise NotImplementedError("initialize(mpu=...): model parallelism (Megatron's tensor / pipeline parallel "
-                                  "groups) is not supported; zfunc shards over data-parallel ranks")
+                                  "groups, or accelerate's DeepSpeed Ulysses sequence parallelism, sp_size > 1) is not "
+                                  "supported; zfunc shards over data-parallel ranks: use ZeRO-3")
     if mesh_param is not None:
         raise NotImplementedError("initialize(mesh_param=...): sequence parallelism over a device mesh is not supported")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)

@@ -775,9 +775,17 @@ _TOP_NOT_YET = {
     "sparse_attention": "sparse attention", "elasticity": "elastic training",
     "compression_training": "the compression library", "autotuning": "the autotuner",
     "quantize_training": "MoQ quantized training", "curriculum_learning": "curriculum learning",
-    "data_efficiency": "data efficiency (curriculum / random-LTD)", "moe": "mixture of experts",
-    "expert_parallel": "expert parallelism", "hybrid_engine": "the RLHF hybrid engine",
-    "tensor_parallel": "tensor parallelism", "sequence_parallel_size": "sequence parallelism",
+    "data_efficiency": "data efficiency (curriculum / random-LTD)",
+    "moe": "DeepSpeed's mixture of experts with expert parallelism (a Hugging Face MoE model, Mixtral's, trains "
+           "as any model: ZeRO-3 shards its experts; leave the section out)",
+    "expert_parallel": "expert parallelism (ZeRO-3 shards a MoE model's experts over the data-parallel ranks; "
+                       "leave the section out)",
+    "hybrid_engine": "the RLHF hybrid engine (for generation between steps use zf.bind(state, model) or "
+                     "engine.module.generate(...), which gather one unit at a time)",
+    "tensor_parallel": "tensor parallelism (AutoTP; shard the model with ZeRO-3, zero_optimization.stage 3, "
+                       "instead)",
+    "sequence_parallel_size": "sequence parallelism (DeepSpeed Ulysses / ALST; for long sequences use ZeRO-3 "
+                              "with activation checkpointing and offload)",
     "torch_autocast": "torch.autocast mixed precision (use fp16 / bf16)",
     "weight_quantization": "weight quantization", "eigenvalue": "eigenvalue-based MoQ",
     "progressive_layer_drop": "progressive layer dropping", "graph_harvesting": "graph harvesting",
@@ -794,7 +802,9 @@ def _top_level_rest(top: _Section) -> None:
             continue
         value = top.data[key]
         harmless = ((isinstance(value, Mapping) and value.get("enabled") is False)
-                    or (key == "sequence_parallel_size" and value == 1))
+                    or (key == "sequence_parallel_size" and value == 1)
+                    or (key == "tensor_parallel" and isinstance(value, Mapping)
+                        and set(value) <= {"autotp_size", "tp_size"} and all(v in (0, 1) for v in value.values())))
         if not harmless:
             raise ValueError(f"{key!r}: {what} is not supported yet")
         top.ignored.append(key)

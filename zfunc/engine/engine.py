@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from .. import checkpoint, compiled, dist
+from ..checkpoint.files import read_json
+from ..checkpoint.folders import MANIFEST
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
 from ..grad import apply, forward as run_forward, materialized, scalar_loss
 from ..residency import Bound
@@ -438,8 +440,7 @@ class Engine(Loop):
                           UserWarning, stacklevel=2)
             return None, None
         folder = checkpoint.resolve(load_dir, tag)
-        with open(os.path.join(folder, "manifest.json")) as f:
-            excluded = json.load(f).get("frozen_excluded", False)
+        excluded = read_json(os.path.join(folder, MANIFEST)).get("frozen_excluded", False)
         frozen = _frozen_values(self.state) if excluded else None
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
         if frozen is not None:

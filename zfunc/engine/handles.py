@@ -55,6 +55,14 @@ class OptimizerHandle:
         self.live = live
 
     @property
+    def parameter_offload(self):
+        """DeepSpeed's ZeRO-3 module hooks, which TRL removes and re-adds around generation: zfunc has
+        none (an AttributeError, so ``hasattr`` is False and such code skips them)."""
+        raise AttributeError("engine.optimizer.parameter_offload: zfunc's ZeRO-3 has no module hooks to remove "
+                             "for generation; generate with engine.module.generate(...) or zf.bind(state, model), "
+                             "which gather one unit at a time")
+
+    @property
     def overflow(self) -> bool:
         """Whether the last update was skipped (fp16's overflow, a non-finite gradient): DeepSpeed's
         optimizer's flag, which accelerate reads as ``step_was_skipped``."""

@@ -1,0 +1,199 @@
+"""The engine ``zfunc.deepspeed.initialize`` returns, as transformers' Trainer, accelerate and peft
+hold it (zfunc/deepspeed/engine.py), in one process: an ``nn.Module`` whose ``module`` is the
+user's model running on the engine's weights, ``config`` read as the dict, ``backward(loss,
+scale_wrt_gas=False)``, ``set_gradient_accumulation_boundary``, live param groups a scheduler
+built on the returned optimizer sets, the 16-bit state dict with and without frozen parameters,
+checkpoints that exclude frozen parameters, ZeRO-3's ``ds_*`` attributes, and the refusals of
+what zfunc does not do (each naming what to use instead)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zfunc as zf
+import zfunc.deepspeed as zds
+from zfunc.deepspeed.zero import ZeroParamStatus
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y=None):
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        out = self.head(x)
+        return out if y is None else F.cross_entropy(out, y)
+
+
+def config(stage=3, gas=1, **extra):
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
+            "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}, **extra}
+
+
+def batches(n=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def test_an_nn_module_whose_module_runs_on_the_engines_weights():
+    model = Net()
+    reference = copy.deepcopy(model)
+    engine, optimizer, _, scheduler = zds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                                     config=config())
+    assert isinstance(engine, nn.Module) and isinstance(engine, zds.DeepSpeedEngine) and scheduler is None
+    assert engine.config.get("zero_optimization")["stage"] == 3 and "zero_optimization" in engine.config
+    assert engine.module is model
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(engine.module(x), reference(x), **TOL)  # outside a step: on the state's weights
+    sd = model.state_dict()
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(sd[name], t, **TOL)
+    for i, p in enumerate(model.parameters()):
+        assert (p.ds_id, p.ds_status, p.ds_numel, p.ds_shape) == (i, ZeroParamStatus.NOT_AVAILABLE, p.numel(), p.shape)
+    assert optimizer.overflow is False and engine.training
+    with pytest.raises(AttributeError, match="engine.module.generate"):
+        optimizer.parameter_offload
+    assert not hasattr(optimizer, "parameter_offload")  # TRL's hasattr-guarded hook removal skips it
+    engine.close()
+
+
+def _trainer_loop(engine, micro, gas, divide):
+    """accelerate's DeepSpeedEngineWrapper.backward under transformers' Trainer: the loss divided by
+    the accumulation steps, ``scale_wrt_gas=False``, the boundary set before each backward."""
+    losses = []
+    for k, (x, y) in enumerate(micro):
+        loss = engine(x, y)
+        losses.append(float(loss))
+        boundary = (k + 1) % gas == 0
+        engine.set_gradient_accumulation_boundary(boundary)
+        engine.backward(loss / gas if divide else loss, scale_wrt_gas=not divide)
+        if boundary:
+            engine.step()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_divided_loss_without_scale_wrt_gas_trains_as_deepspeeds_own_scaling(stage):
+    runs = []
+    for divide in (False, True):
+        model = Net()
+        engine, *_ = zds.initialize(model=model, config={**config(stage, gas=2),
+                                                         "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})
+        runs.append((_trainer_loop(engine, batches(6), 2, divide), engine.params()))
+        engine.close()
+    torch.testing.assert_close(torch.tensor(runs[0][0]), torch.tensor(runs[1][0]), **TOL)
+    for name, t in runs[0][1].items():
+        torch.testing.assert_close(runs[1][1][name], t, **TOL)
+
+
+def test_a_boundary_set_early_makes_the_update():
+    model = Net()
+    engine, *_ = zds.initialize(model=model, config={**config(2, gas=4), "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    before = engine.params()
+    x, y = batches(1)[0]
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+    assert any(not torch.equal(before[n], t) for n, t in engine.params().items())
+    engine.close()
+
+
+def test_a_scheduler_built_on_the_returned_optimizer_sets_the_lr():
+    """The Trainer's order: initialize with a torch optimizer and no scheduler, then a scheduler on the
+    optimizer initialize returned (a LambdaLR through accelerate's wrapper there; here its writes to
+    the groups), stepped after each update: plain torch with the same scheduler."""
+    model = Net()
+    reference = copy.deepcopy(model)
+    lam = lambda k: [0.0, 1.0, 0.5, 0.25, 0.125][min(k, 4)]  # noqa: E731
+    engine, optimizer, _, _ = zds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                             config=config(3, gradient_clipping=0.0))
+    steps = 0
+
+    def schedule():
+        for g in optimizer.param_groups:
+            g["lr"] = 0.05 * lam(steps)
+    schedule()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lam)
+    for x, y in batches(4):
+        engine.backward(engine(x, y))
+        engine.step()
+        steps += 1
+        schedule()
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert optimizer.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    for name, t in reference.named_parameters():
+        torch.testing.assert_close(engine.params()[name], t.detach(), **TOL)
+    engine.close()
+
+
+def _frozen_net():
+    model = Net()
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
+def test_frozen_parameters_left_out_of_the_16bit_state_dict_and_of_a_checkpoints_load(tmp_path):
+    model = _frozen_net()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    engine, *_ = zds.initialize(model=model, optimizer=opt, config=config(3, bf16={"enabled": True}))
+    assert engine.zero_gather_16bit_weights_on_model_save()
+    whole = engine._zero3_consolidated_16bit_state_dict()
+    assert set(whole) == set(Net().state_dict()) and all(t.dtype == torch.bfloat16 for t in whole.values())
+    trainable = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    assert set(trainable) == {k for k in whole if not k.startswith("blocks.0.")}
+    x, y = batches(1)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
+    saved = engine.params()
+
+    other = _frozen_net()
+    with torch.no_grad():
+        other.blocks[0].weight.fill_(0.25)  # the loading model's own frozen weights
+    opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=0.05)
+    engine2, *_ = zds.initialize(model=other, optimizer=opt, config=config(3, bf16={"enabled": True}))
+    engine2.load_checkpoint(str(tmp_path), load_module_strict=False)
+    loaded = engine2.params()
+    assert torch.equal(loaded["blocks.0.weight"], torch.full((8, 8), 0.25))
+    for name, t in saved.items():
+        if not name.startswith("blocks.0."):
+            assert torch.equal(loaded[name], t), name
+    engine.close()
+    engine2.close()
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("tensor_parallel", {"autotp_size": 2}, "ZeRO-3"),
+    ("sequence_parallel_size", 2, "Ulysses"),
+    ("moe", {"enabled": True}, "Mixtral"),
+    ("expert_parallel", {"enabled": True}, "experts"),
+    ("hybrid_engine", {"enabled": True}, "zf.bind"),
+])
+def test_what_zfunc_does_not_do_is_refused_at_initialize(key, value, named):
+    with pytest.raises(ValueError, match=f"{key}.*{named}"):
+        zds.initialize(model=Net(), config={**config(), "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+                                            key: value})
+
+
+def test_a_trivial_tensor_parallel_section_is_accepted():
+    engine, *_ = zds.initialize(model=Net(), config={**config(), "tensor_parallel": {"autotp_size": 1},
+                                                     "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    engine.close()
+
+
+def test_accelerates_mpu_for_ulysses_is_refused():
+    with pytest.raises(NotImplementedError, match="Ulysses"):
+        zds.initialize(model=Net(), config=config(), mpu=object())

@@ -1,0 +1,91 @@
+"""transformers' ZeRO-3 loading path: ``from_pretrained`` while a ZeRO-3 DeepSpeed config is live
+(``HfDeepSpeedConfig``, as ``TrainingArguments(deepspeed=...)`` makes one), then
+``deepspeed.initialize``; each rank writes what the engine holds against the files.
+
+``python tests/harness/hf_zero3_load.py --which zfunc|deepspeed --folder F --out DIR`` (under
+torchrun) writes ``DIR/rank{r}.json``: transformers' missing keys, the names whose gathered
+value differs from the file's tensor by any bit (``differ``), those compared (``compared``), and
+the peak RSS growth of the load in MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from hf_trainer import route  # noqa: E402
+
+CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--which", required=True)
+    parser.add_argument("--folder", required=True)
+    parser.add_argument("--out", required=True)
+    a = parser.parse_args()
+    route(a.which)
+    import deepspeed
+    import safetensors.torch
+    import torch
+    import transformers
+    from transformers.integrations import HfDeepSpeedConfig
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    config = {**CONFIG, "train_batch_size": world}
+    live = HfDeepSpeedConfig(config)  # noqa: F841  (kept alive: transformers reads it through a weak reference)
+    before = _rss_mib()
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(a.folder, output_loading_info=True,
+                                                                     dtype=torch.float32)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    grown = _rss_mib() - before
+    files = safetensors.torch.load_file(os.path.join(a.folder, "model.safetensors"))
+    differ, compared = [], []
+    for name, p in model.named_parameters():
+        if name not in files:
+            continue
+        with deepspeed.zero.GatheredParameters([p]):
+            value = p.detach().to("cpu", copy=True)
+        compared.append(name)
+        if value.dtype != files[name].dtype or not torch.equal(value.view(-1).view(torch.int32),
+                                                                files[name].view(-1).view(torch.int32)):
+            differ.append(name)
+    out = {"missing": sorted(info.get("missing_keys", [])), "differ": differ, "compared": compared,
+           "rss_growth_mib": grown, "files": sorted(files)}
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+
+def run(which: str, folder: str, out: str, world: int = 2, timeout: int = 600) -> list[dict]:
+    """Launch the script under torchrun with ``world`` gloo ranks; each rank's record."""
+    import subprocess
+    os.makedirs(out, exist_ok=True)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           os.path.abspath(__file__), "--which", which, "--folder", folder, "--out", out]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{which} at W = {world} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+    records = []
+    for r in range(world):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            records.append(json.load(f))
+    return records
+
+
+if __name__ == "__main__":
+    main()
