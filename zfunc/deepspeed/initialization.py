@@ -31,6 +31,7 @@ from . import zero
 from .comm import init_distributed
 from .data import DataLoader
 from .engine import DeepSpeedEngine
+from .utils.timer import ThroughputTimer
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None, training_data=None,
@@ -72,6 +73,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         loader = DataLoader(training_data, cfg.micro_batch_size, rank=dist.rank(), world=dist.world_size(),
                             collate_fn=collate_fn, drop_last=bool(raw.get("dataloader_drop_last", False)))
     engine.training_dataloader = loader
+    engine.tput_timer = ThroughputTimer(engine)  # DeepSpeed's engine attribute (zfunc.deepspeed.utils.timer)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -1,0 +1,4 @@
+"""``deepspeed.runtime.activation_checkpointing``: ``checkpointing`` (also ``deepspeed.checkpointing``)."""
+from . import checkpointing
+
+__all__ = ["checkpointing"]
