@@ -1,0 +1,63 @@
+"""Run a DeepSpeed training script as DeepSpeed's own launcher runs it, recording its losses.
+
+    torchrun --nproc_per_node W ds_launch.py LOSSES SCRIPT [ARGS...]
+
+- ``--local_rank=$LOCAL_RANK`` is appended to the script's arguments, as the ``deepspeed``
+  launcher passes it (torchrun sets only the environment variable; DeepSpeed-Chat's scripts start
+  the process group only when the flag is given);
+- ``deepspeed.initialize`` is wrapped so that every loss the engine is handed
+  (``engine.backward(loss)``) or returns (``engine.train_batch()``) is appended, as a number, to
+  ``LOSSES.<rank>`` (one per line), whichever ``deepspeed`` this process imports: real DeepSpeed,
+  or zfunc's under ``ZFUNC_AS_DEEPSPEED=1``;
+- the script runs as ``__main__`` with its folder first on ``sys.path``, as ``python SCRIPT`` would.
+
+The script itself is not touched.
+"""
+import os
+import runpy
+import sys
+
+
+def _record(path: str):
+    def write(value) -> None:
+        with open(path, "a") as f:
+            f.write(f"{float(value.detach().float()) if hasattr(value, 'detach') else float(value)!r}\n")
+    return write
+
+
+def _wrap_initialize(deepspeed, write) -> None:
+    initialize = deepspeed.initialize
+
+    def recorded_initialize(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        engine = out[0]
+        backward, train_batch = engine.backward, getattr(engine, "train_batch", None)
+
+        def recorded_backward(loss, *a, **k):
+            write(loss)
+            return backward(loss, *a, **k)
+
+        engine.backward = recorded_backward
+        if train_batch is not None:
+            def recorded_train_batch(*a, **k):
+                loss = train_batch(*a, **k)
+                write(loss)
+                return loss
+            engine.train_batch = recorded_train_batch
+        return out
+
+    deepspeed.initialize = recorded_initialize
+
+
+def main() -> None:
+    losses, script, *args = sys.argv[1:]
+    rank = os.environ.get("RANK", "0")
+    import deepspeed
+    _wrap_initialize(deepspeed, _record(f"{losses}.{rank}"))
+    sys.argv = [script, *args, f"--local_rank={os.environ.get('LOCAL_RANK', '0')}"]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
