@@ -111,6 +111,7 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
             todo = [p for p in placed if got[p.index if steps[i].dim() else 0]]
             if not todo:
                 continue
+            _check_whole(rule, params, i, p_leaves[i])
             counts = steps[i].tolist() if steps[i].dim() else [int(steps[i])]
             _update_unit(rule, todo, p_leaves[i], g_leaves[i], [shaped[k][i] for k in rule.shaped], counts,
                          opt_state.slots, hs, labels, scale, group, steps[i].dim() > 0)
@@ -178,6 +179,8 @@ def _run(rule, mine: list[Placed], p_flat, g_flat, s_flat, counts, slots, hs, la
             grad.mul_(scale)
         state = {k: s[a:b].view(p.shape) for k, s in zip(rule.shaped, s_flat)}
         own = slots.setdefault(p.name, {})
+        if not own and rule.init_slots is not None:  # a parameter this rank did not own when the state was made
+            own.update(rule.init_slots(p.name, p.shape, dtype, param.device))
         state.update(own)
         item = Item(p.name, param, grad, state, counts[p.index] if per_param else counts[0])
         by_label.setdefault(labels.of(p.name), []).append(item)
@@ -200,6 +203,8 @@ class _Owners:
         self._cache: dict = {}
 
     def of(self, params, leaves) -> list[list[Placed]]:
+        """Per leaf, its whole parameters (from the layout alone: a leaf may be an empty stand-in, as
+        offload_nvme's init hands one unit at a time)."""
         if not isinstance(params, Params):
             names = leaf_names(params)
             units = [[(0, n, tuple(t.shape), 0, t.numel())] if self._chosen(n) else [] for n, t in zip(names, leaves)]
@@ -207,30 +212,37 @@ class _Owners:
         spec = params.spec
         group = _group(params)
         w = dist.world_size(group)
-        key = (id(spec.model), spec.sharded, spec.group, spec.frozen, tuple(t.numel() for t in leaves))
+        key = (id(spec.model), spec.sharded, spec.group, spec.frozen)
         hit = self._cache.get(key)
         if hit is not None and hit[0] is spec.model:
             return hit[1]
         units, shards = [], []
-        for i, leaf in enumerate(leaves):
+        for i in range(len(spec.sharded)):
             seg = spec.segment(i)
             units.append([(k, e.name, e.shape, e.offset, e.offset + e.numel) for k, e in enumerate(seg.entries)
                           if e.numel and self._chosen(spec.model.canonical_name(e.name))])
-            if spec.sharded[i]:
-                if leaf.numel() * w != seg.padded:
-                    raise NotImplementedError(
-                        f"{self.rule.name}: unit {spec.model.units[i].name or '<root>'!r} is updated a piece at a "
-                        "time (offload_nvme's buffer_size is smaller than its shard); a whole-tensor optimizer needs "
-                        "each shard at once: raise buffer_size to at least the unit's shard")
-                shards.append(leaf.numel())
-            else:
-                shards.append(None)
+            shards.append(seg.padded // w if spec.sharded[i] else None)
         placed = assign(units, shards, w, self.rule.cost)
         self._cache[key] = (spec.model, placed)
         return placed
 
     def _chosen(self, name: str) -> bool:
         return self.select is None or bool(self.select(name))
+
+
+def _check_whole(rule, params, i: int, leaf) -> None:
+    """A leaf is the unit's whole home part (its shard, or all of it), not a piece of it."""
+    if not isinstance(params, Params):
+        return
+    spec = params.spec
+    seg = spec.segment(i)
+    home = seg.padded // dist.world_size(_group(params)) if spec.sharded[i] else seg.padded
+    if leaf.numel() != home:
+        raise NotImplementedError(
+            f"{rule.name}: unit {spec.model.units[i].name or '<root>'!r} is updated a piece at a time "
+            f"({leaf.numel()} of its {home} elements: offload_nvme's sub_group_size or buffer_size is smaller than "
+            "its shard); a whole-tensor optimizer needs each shard at once: raise both to at least the largest "
+            "unit's shard")
 
 
 def _group(params: Params):
