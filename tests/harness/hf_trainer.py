@@ -10,10 +10,7 @@ logged ``grad_norm`` and ``learning_rate`` per step. ``save_steps``: checkpoints
 ``DIR/run/checkpoint-N``; ``resume_from``: a checkpoint folder the Trainer resumes from (a run
 of its own, as a resumed job is). ``save_model`` writes ``trainer.save_model`` to ``DIR/model``.
 
-The switch: with ``--which zfunc``, ``zfunc.deepspeed.install()`` where it exists; else the
-module ``deepspeed`` is aliased to ``zfunc.deepspeed`` (the real package imported first, so the
-few submodules transformers and accelerate read and zfunc does not yet offer come from it: the
-logger, the lr schedulers' names, ``clone_tensors_for_torch_save``).
+The switch: with ``--which zfunc``, ``zfunc.deepspeed.install()`` before transformers is imported.
 """
 from __future__ import annotations
 
@@ -77,23 +74,9 @@ class Tokens:
 def route(which: str) -> None:
     """Make ``import deepspeed`` give ``which`` ("deepspeed": the real one; "zfunc")."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    if which == "deepspeed":
-        return
-    import zfunc.deepspeed as zd
-    if hasattr(zd, "install"):
-        zd.install()
-        return
-    import deepspeed  # noqa: F401  the real package, for the submodules zfunc does not offer yet
-    import deepspeed.checkpoint.utils  # noqa: F401
-    import deepspeed.runtime.lr_schedules  # noqa: F401
-    import deepspeed.runtime.zero.partition_parameters  # noqa: F401
-    import deepspeed.utils  # noqa: F401
-    sys.modules["deepspeed"] = zd
-    for name in ("zero", "comm", "accelerator"):
-        sys.modules[f"deepspeed.{name}"] = getattr(zd, name)
-    zd.runtime = sys.modules["deepspeed.runtime"]
-    zd.utils = sys.modules["deepspeed.utils"]
-    zd.checkpoint = sys.modules["deepspeed.checkpoint"]
+    if which == "zfunc":
+        import zfunc.deepspeed
+        zfunc.deepspeed.install()
 
 
 def cpu_processes(bf16: bool) -> dict:
