@@ -41,8 +41,10 @@ def _same(ours, theirs, tol=FP32, keys=("losses", "grad_norms", "lrs")):
                                        msg=lambda m: f"rank {rank} {key}: {a[key]} vs DeepSpeed {b[key]}\n{m}")
 
 
+@pytest.mark.slow
 def test_zero3_with_accumulation(tmp_path, model_folder):
-    """The fast tier's case: ZeRO-3, two micro-batches an update, one rank."""
+    """ZeRO-3, two micro-batches an update, one rank (slow, as all here: two torchrun launches a case;
+    test_hf_engine.py checks the engine's face the Trainer uses in the fast tier)."""
     ours, theirs = _both(tmp_path, model_folder, 1, harness.ds_config(3), gas=2, steps=3)
     _same(ours, theirs)
 
