@@ -197,3 +197,69 @@ def test_a_trivial_tensor_parallel_section_is_accepted():
 def test_accelerates_mpu_for_ulysses_is_refused():
     with pytest.raises(NotImplementedError, match="Ulysses"):
         zds.initialize(model=Net(), config=config(), mpu=object())
+
+
+def _parts(engine) -> dict:
+    from zfunc.checkpoint.sharded import _parts as parts
+    out = {}
+    for role, node in zip(*parts(engine.state)[:2]):
+        leaves = node.leaves if hasattr(node, "leaves") else [node]
+        out[role] = [None if t is None else t.detach().clone() for t in leaves]
+    return out
+
+
+def _equal(a, b) -> bool:
+    return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _trained(steps, seed):
+    engine, *_ = zds.initialize(model=Net(), config={**config(3, bf16={"enabled": True}),
+                                                     "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+                                                     "scheduler": {"type": "WarmupLR",
+                                                                   "params": {"warmup_num_steps": 5}}})
+    for x, y in batches(steps + seed)[seed:]:
+        engine.backward(engine(x, y))
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("how", ["load_optimizer_states=False", "load_module_only=True",
+                                 "load_optimizer_states=False, load_lr_scheduler_states=False"])
+def test_partial_loads_keep_what_deepspeed_keeps(tmp_path, how):
+    """A 3-step checkpoint loaded into a 1-step engine: the weights (and fp32 master weights) are the
+    checkpoint's; the moments and per-parameter step counts stay the loader's; the update count (the
+    lr schedule's position) and the engine's counters are the checkpoint's unless the scheduler's
+    states or everything but the module are left out."""
+    saved = _trained(3, 0)
+    saved.save_checkpoint(str(tmp_path))
+    theirs = _parts(saved)
+    loader = _trained(1, 3)
+    mine, mine_lr = _parts(loader), loader.get_lr()
+    kwargs = dict(kv.split("=") for kv in how.split(", "))
+    loader.load_checkpoint(str(tmp_path), **{k: v == "True" for k, v in kwargs.items()})
+    now = _parts(loader)
+    only = "load_module_only" in kwargs
+    keep_count = only or "load_lr_scheduler_states" in kwargs
+    for role, values in now.items():
+        if role in ("params", "master", "frozen"):
+            assert _equal(values, theirs[role]), role
+        elif (role == "count" and not only) or (role.startswith("opt_state") and role.endswith(".count")
+                                                 and not keep_count):
+            assert _equal(values, theirs[role]), role
+        else:
+            assert _equal(values, mine[role]), role
+    assert loader.global_steps == (1 if only else 3)
+    assert loader.get_lr() == (mine_lr if keep_count else saved.get_lr())
+    x, y = batches(1)[0]
+    loader.backward(loader(x, y))  # and it trains on
+    loader.step()
+    saved.close()
+    loader.close()
+
+
+def test_the_schedulers_states_alone_are_refused(tmp_path):
+    engine = _trained(1, 0)
+    engine.save_checkpoint(str(tmp_path))
+    with pytest.raises(NotImplementedError, match="load_optimizer_states=False too"):
+        engine.load_checkpoint(str(tmp_path), load_lr_scheduler_states=False)
+    engine.close()

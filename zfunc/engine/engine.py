@@ -420,20 +420,29 @@ class Engine(Loop):
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
         """Load a checkpoint saved at any world size and composition; returns ``(its folder,
         client_state)``. Without ``tag``, the one ``load_dir/latest`` names; with no ``latest``
-        there, ``(None, None)`` and a warning, as DeepSpeed returns. A checkpoint saved with
-        ``exclude_frozen_parameters=True`` leaves the frozen parameters as this engine holds them.
+        there, ``(None, None)`` and a warning, as DeepSpeed returns. DeepSpeed's partial loads keep
+        parts of this engine's state as they are:
+
+        - a checkpoint saved with ``exclude_frozen_parameters=True``: the frozen parameters;
+        - ``load_optimizer_states=False``: the optimizer's moments and per-parameter step counts
+          (the weights, fp32 master weights included, the update count, which the lr schedule
+          follows, and the engine's counters are loaded, as DeepSpeed loads its scheduler and
+          counters then);
+        - ``load_module_only=True``: everything but the weights (DeepSpeed's warm start): the
+          optimizer state, the update count and the engine's counters; under mixed precision the
+          fp32 master weights are the checkpoint's (DeepSpeed's are rebuilt from its 16-bit ones);
+        - ``load_lr_scheduler_states=False`` with one of those two: the update count too. Alone it
+          is refused: the schedule is the optimizer's update count, loaded with its moments.
+
         ``load_module_strict=False`` is accepted (zfunc's checkpoint is of the same model, checked
-        name by name). DeepSpeed's other partial loads (``load_module_only``,
-        ``load_optimizer_states=False``, ``load_lr_scheduler_states=False``, ``custom_load_fn``)
-        raise: the whole state is loaded."""
-        for given, what in ((load_module_only, "load_module_only=True"),
-                            (not load_optimizer_states, "load_optimizer_states=False"),
-                            (not load_lr_scheduler_states, "load_lr_scheduler_states=False (the schedule follows "
-                                                           "the optimizer's update count, which is loaded)"),
-                            (custom_load_fn is not None, "custom_load_fn")):
-            if given:
-                raise NotImplementedError(f"load_checkpoint({what}) is not supported yet: zfunc loads the whole "
-                                          "training state (weights, optimizer state and counters)")
+        name by name); ``custom_load_fn`` is refused."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported: zfunc loads the state "
+                                      "its checkpoint holds")
+        if not load_lr_scheduler_states and load_optimizer_states and not load_module_only:
+            raise NotImplementedError("load_checkpoint(load_lr_scheduler_states=False) with the optimizer's states "
+                                      "is not supported: zfunc's lr schedule follows the optimizer's update count, "
+                                      "loaded with its moments; pass load_optimizer_states=False too")
         self._no_step_in_progress("load_checkpoint")
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             warnings.warn(f"no checkpoint loaded: {load_dir!r} has no 'latest' file; pass tag= to name one",
@@ -441,16 +450,18 @@ class Engine(Loop):
             return None, None
         folder = checkpoint.resolve(load_dir, tag)
         excluded = read_json(os.path.join(folder, MANIFEST)).get("frozen_excluded", False)
-        frozen = _frozen_values(self.state) if excluded else None
+        kept = _kept_parts(self.state, lambda role: (
+            (excluded and role == "frozen")
+            or (load_module_only and role not in ("params", "master", "frozen") and not role.startswith("buffers"))
+            or (not load_optimizer_states and role.startswith("opt_state")
+                and (not role.endswith(".count") or not load_lr_scheduler_states))))
         self.state, manifest = checkpoint.load(self.state, load_dir, tag, group=self.group)
-        if frozen is not None:
-            for leaf, value in zip(self.state.frozen.leaves, frozen):
-                with torch.no_grad():
-                    leaf.copy_(value)
-        self._restore_counters(manifest)
-        restore = getattr(self.optimizer, "restore_live_lrs", None)
-        if restore is not None:
-            restore(manifest.get("live_lrs"))
+        _put_back(self.state, kept)
+        if not load_module_only:
+            self._restore_counters(manifest)
+            restore = getattr(self.optimizer, "restore_live_lrs", None)
+            if restore is not None and load_lr_scheduler_states:
+                restore(manifest.get("live_lrs"))
         return folder, manifest.get("client_state", {})
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -489,13 +500,33 @@ class Engine(Loop):
         residency.reload(self, non_blocking)
 
 
-def _frozen_values(state) -> list[torch.Tensor]:
-    """Copies of this rank's frozen leaves, put back after a load of a checkpoint that excluded them."""
+def _kept_parts(state, keep) -> dict[str, list[torch.Tensor]]:
+    """Copies of this rank's parts of ``state`` whose role (zfunc.checkpoint's name for a part:
+    ``params``, ``master``, ``frozen``, ``opt_state[1].mu``, ``count``...) ``keep`` picks, put back
+    after a load by ``_put_back``."""
     from .. import swap
-    if any(swap.on_disk(leaf) for leaf in state.frozen.leaves):
-        raise NotImplementedError("load_checkpoint of a checkpoint saved with exclude_frozen_parameters=True, with the "
-                                  "frozen parameters on NVMe (offload_param nvme): not supported; save without it")
-    return [leaf.detach().clone() for leaf in state.frozen.leaves]
+    from ..checkpoint.sharded import _parts
+    out = {}
+    for role, node in zip(*_parts(state)[:2]):
+        if not keep(role):
+            continue
+        leaves = list(node.leaves) if hasattr(node, "leaves") else [node]
+        if any(leaf is not None and swap.on_disk(leaf) for leaf in leaves):
+            raise NotImplementedError(f"a partial load_checkpoint keeping {role!r}, which lives on NVMe "
+                                      "(offload_nvme): not supported; load the whole state")
+        out[role] = [None if leaf is None else leaf.detach().clone() for leaf in leaves]
+    return out
+
+
+def _put_back(state, kept: dict[str, list[torch.Tensor]]) -> None:
+    from ..checkpoint.sharded import _parts
+    for role, node in zip(*_parts(state)[:2]):
+        if role in kept:
+            leaves = list(node.leaves) if hasattr(node, "leaves") else [node]
+            with torch.no_grad():
+                for leaf, value in zip(leaves, kept[role]):
+                    if leaf is not None:
+                        leaf.copy_(value)
 
 
 def _json_client_state(client_state) -> dict:
