@@ -494,7 +494,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
             out.append(node)
         elif isinstance(node, torch.Tensor):
             if src_role is not None:
-                node.copy_(saved.files[0].view(src_role))
+                node.copy_(saved.files[0].view(src_role).view(node.shape))  # stored flat: a factor (32, 1) too
             out.append(node)
         else:
             out.append(node if src_role is None else saved.layouts[src_role]["value"])

@@ -13,8 +13,9 @@ layout alone (so it is known when the state is made and at every update):
   rank already owns. Its unit is then gathered to the owners and the results summed back
   (``OwnedUnit``: one all-gather and one all-reduce per such unit, counted in ``metrics["comm"]``).
 
-Each rank keeps the optimizer's per-parameter state (``slots``: Adafactor's row and column
-statistics, torch's ``step``) only for the parameters it owns.
+The state laid out like the parameters (Muon's momentum) is sharded with them; the small rest
+(``slots``: Adafactor's row and column statistics, torch's ``step``) is kept on every rank, its
+owner's values shared after each update (zfunc.optim.whole).
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ where this rank holds it whole), its ``.grad`` the true gradient, its ``state`` 
 ``step()`` is the update. The state tensors with the parameter's shape (RMSprop's ``square_avg``,
 Adagrad's ``sum``, Muon's ``momentum_buffer``) are kept laid out like the parameters (sharded,
 offloaded and checkpointed as Adam's moments are); the rest (``step``, Adafactor's factors) per
-parameter on its owner. A class that initializes its state in ``__init__`` (Adagrad) or in its first
-``step()`` (the rest) is left to do so.
+parameter, made when the state is made by one step of ``cls`` on zeros (its keys and shapes), kept on
+every rank and written by the owner. At a parameter's first update the class makes its own state, in
+``__init__`` (Adagrad) or in ``step()`` (the rest), as it would alone.
 
 ``shaped=`` names the state keys with the parameter's shape (default: found by one probe step on a
 small tensor); ``cost=``: the update's cost for a shape, which owners balance (default: elements).
@@ -92,7 +93,15 @@ def from_torch(cls: type, *, shaped: tuple[str, ...] | None = None, cost=None, g
                     it.state[k] = v
             p.grad = None
 
-    rule = Rule(name, update, shaped=keys, cost=cost or numel_cost)
+    def init_slots(param_name, shape, dtype, device) -> dict:
+        """The state ``cls`` keeps besides ``keys`` for a parameter of ``shape``: one step on zeros, zeroed."""
+        p = torch.zeros(shape, dtype=dtype, device=device)
+        p.grad = torch.zeros_like(p)
+        opt = cls([p], **{k: v for k, v in hyper.items() if not callable(v)})
+        opt.step()
+        return {k: torch.zeros_like(v) for k, v in opt.state[p].items() if k not in keys and isinstance(v, torch.Tensor)}
+
+    rule = Rule(name, update, shaped=keys, init_slots=init_slots, cost=cost or numel_cost)
     return optimizer(rule, dict(hyper), check, groups)
 
 

@@ -16,7 +16,8 @@ true gradient and its state as whole tensors, updated in place. :func:`optimizer
 * keeps its state as an explicit pytree (``WholeState``): ``shaped``, the state with each
   parameter's shape (Muon's momentum), laid out like the parameters, so sharding, offload and
   checkpoints treat it as they treat Adam's moments; ``slots``, the rest (Adafactor's factors,
-  torch's ``step``), per parameter, on its owner only.
+  torch's ``step``), per parameter, made when the state is made and kept on every rank (small:
+  about rows + columns per matrix), its owner's values shared after each update.
 
 Every hyperparameter is a number or a schedule ``step -> value`` and ``groups`` work as for adamw
 (zfunc.optim.groups).
@@ -43,7 +44,7 @@ class WholeState(NamedTuple):
     count: torch.Tensor  # 0-d int64 on CPU: updates applied so far (the schedule's step)
     steps: PyTree  # updates each parameter got: ``zero_steps``
     shaped: dict[str, PyTree]  # state key -> a tree laid out like params (fp32 or wider)
-    slots: dict[str, dict[str, torch.Tensor]]  # parameter name -> its other state, on its owner only
+    slots: dict[str, dict[str, torch.Tensor]]  # parameter name -> its other state (every rank: _share_slots)
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Rule:
     name: str
     update: Callable[[list[Item], dict], None]
     shaped: tuple[str, ...] = ()  # state keys with the parameter's shape (zero at first)
+    # (name, shape, dtype, device) -> the parameter's other state, zero; the same keys on every rank
     init_slots: Callable[[str, tuple[int, ...], torch.dtype, torch.device], dict] | None = None
     cost: Cost = numel_cost  # the update's cost for a shape, which owners balance
     check_param: Callable[[str, tuple[int, ...]], None] | None = None  # raises for a parameter it cannot update
@@ -83,12 +85,11 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
         shaped = {k: tree_map(_zeros_master, params) for k in rule.shaped}
         slots: dict[str, dict] = {}
         leaves, _ = tree_flatten(params)
-        mine = dist.rank(_group(params)) if isinstance(params, Params) else 0
         for i, placed in enumerate(owners.of(params, leaves)):
             for p in placed:
                 if rule.check_param is not None:
                     rule.check_param(p.name, p.shape)
-                if rule.init_slots is not None and p.owner in (-1, mine):
+                if rule.init_slots is not None:  # on every rank (see _share_slots)
                     slots[p.name] = rule.init_slots(p.name, p.shape, _master_dtype(leaves[i].dtype), leaves[i].device)
         return WholeState(zero_count(), zero_steps(params), shaped, slots)
 
@@ -103,7 +104,7 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
             info.lrs.append(float(schedule_lr(count)))
         scale = 1.0 if info is None else info.scale
         live = None if info is None else info.live
-        group = _group(params) if isinstance(params, Params) else None
+        group = _group(params) if isinstance(params, Params) else None  # (None is also the default group)
         for i, placed in enumerate(owners.of(params, p_leaves)):
             if g_leaves[i] is None:
                 continue
@@ -138,11 +139,14 @@ def _update_unit(rule, todo: list[Placed], p_leaf, g_leaf, s_leaves, counts, slo
     dtype = _master_dtype(p_leaf.dtype)
     p_flat, g_flat = p_leaf.view(-1), g_leaf.view(-1)
     s_flat = [s.view(-1) for s in s_leaves]
-    if not any(p.cut for p in todo):
-        r = 0 if group is None else dist.rank(group)
-        base = 0 if todo[0].owner == -1 else r * p_flat.numel()
-        mine = [p for p in todo if p.owner in (-1, r)]
-        _run(rule, mine, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, base, dtype, per_param)
+    if todo[0].owner == -1:  # the whole buffer, which every rank updates alike (no ZeRO)
+        _run(rule, todo, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, 0, dtype, per_param)
+        return
+    if not any(p.cut for p in todo):  # each in one rank's shard: its owner's
+        r = dist.rank(group)
+        mine = [p for p in todo if p.owner == r]
+        _run(rule, mine, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, r * p_flat.numel(), dtype, per_param)
+        _share_slots(todo, slots, group, dtype, p_flat.device)
         return
     r, w, n = dist.rank(group), dist.world_size(group), p_flat.numel()
     pack = torch.empty(2 + len(s_flat), n, dtype=dtype, device=p_flat.device)
@@ -161,6 +165,28 @@ def _update_unit(rule, todo: list[Placed], p_leaf, g_leaf, s_leaves, counts, slo
         if a < b:
             for dst, src in zip((p_flat, *s_flat), out):
                 dst[a - lo : b - lo].copy_(src[a:b])
+    _share_slots(todo, slots, group, dtype, p_flat.device)
+
+
+def _share_slots(todo: list[Placed], slots, group, dtype, device) -> None:
+    """Every rank keeps every parameter's slots (small: Adafactor's factors, torch's ``step``), so
+    checkpoints and another world size read them anywhere: after an update, one all-reduce of the
+    owners' new slots (the others add zeros)."""
+    if dist.world_size(group) == 1:
+        return
+    parts = [(p, k) for p in todo for k in sorted(slots.get(p.name, {}))]
+    if not parts:
+        return
+    r = dist.rank(group)
+    sizes = [slots[p.name][k].numel() for p, k in parts]
+    pack = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    for (p, k), piece in zip(parts, pack.split(sizes)):
+        if p.owner == r:
+            piece.copy_(slots[p.name][k].reshape(-1))
+    dist.all_reduce_sum(pack, group)
+    for (p, k), piece in zip(parts, pack.split(sizes)):
+        if p.owner != r:
+            slots[p.name][k].copy_(piece.view(slots[p.name][k].shape))
 
 
 def _run(rule, mine: list[Placed], p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, base, dtype,
@@ -179,8 +205,6 @@ def _run(rule, mine: list[Placed], p_flat, g_flat, s_flat, counts, slots, hs, la
             grad.mul_(scale)
         state = {k: s[a:b].view(p.shape) for k, s in zip(rule.shaped, s_flat)}
         own = slots.setdefault(p.name, {})
-        if not own and rule.init_slots is not None:  # a parameter this rank did not own when the state was made
-            own.update(rule.init_slots(p.name, p.shape, dtype, param.device))
         state.update(own)
         item = Item(p.name, param, grad, state, counts[p.index] if per_param else counts[0])
         by_label.setdefault(labels.of(p.name), []).append(item)
@@ -189,7 +213,11 @@ def _run(rule, mine: list[Placed], p_flat, g_flat, s_flat, counts, slots, hs, la
         for item in items:
             kept = slots[item.name]
             for k, v in item.state.items():
-                if k not in rule.shaped:
+                if k in rule.shaped or kept.get(k) is v:
+                    continue
+                if k in kept and kept[k].shape == v.shape:
+                    kept[k].copy_(v)  # the tensor the state (and every rank's pack) already holds
+                else:
                     kept[k] = v
     for narrow, wide in back:
         narrow.copy_(wide)
