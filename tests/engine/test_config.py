@@ -338,7 +338,7 @@ def test_other_settings_zfunc_lacks_are_not_supported_yet(section, key):
     assert key in msg and "not supported yet" in msg
 
 
-@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad", "Muon",
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lion", "Adagrad",
                                   "RMSprop", "Adamax"])
 def test_other_optimizers_are_not_supported_yet(name):
     msg = error(cfg(optimizer={"type": name}))

@@ -32,8 +32,9 @@ from ..tree import compile_units, unit_modules
 from . import config as configuration
 
 
-def build_optimizer(cfg, optimizer, lr_scheduler):
-    """The optimizer the config (or the caller) asks for, with its schedule and clipping."""
+def build_optimizer(cfg, optimizer, lr_scheduler, model=None):
+    """The optimizer the config (or the caller) asks for, with its schedule and clipping; ``model``:
+    whose parameters Muon takes (``muon_labels``)."""
     if optimizer is not None and cfg.optimizer is not None:
         raise ValueError("an optimizer is given both in the config ('optimizer') and to zf.initialize: keep one")
     if optimizer is not None and lr_scheduler is not None:
@@ -52,7 +53,13 @@ def build_optimizer(cfg, optimizer, lr_scheduler):
         elif cfg.scheduler is not None:
             schedule = lr_schedules.from_config(cfg.scheduler, base_lr)
         lr = schedule if schedule is not None else base_lr
-        if o.type == "sgd":
+        if o.type == "muon":
+            optimizer = optim.multi({"muon": optim.muon(lr, weight_decay=o.weight_decay, momentum=o.momentum,
+                                                         nesterov=o.nesterov, ns_steps=o.ns_steps,
+                                                         adjust_lr_fn=o.adjust_lr_fn),
+                                     "adamw": optim.adamw(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)},
+                                    muon_labels(model))
+        elif o.type == "sgd":
             optimizer = optim.sgd(lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.nesterov,
                                   dampening=o.dampening)
         elif o.decoupled:
@@ -62,6 +69,15 @@ def build_optimizer(cfg, optimizer, lr_scheduler):
     if cfg.gradient_clipping > 0:
         optimizer = optim.chain(optim.clip_by_global_norm(cfg.gradient_clipping), optimizer)
     return optimizer, schedule
+
+
+def muon_labels(model) -> dict[str, str]:
+    """DeepSpeed's split for its Muon: a parameter's own ``use_muon`` if set, else every 2-D parameter
+    (DeepSpeed's ``set_optimizer_flags``); the rest, and any a flag gives Muon but is not 2-D, AdamW."""
+    if model is None:
+        raise ValueError("optimizer.type 'Muon' needs the model, to say which parameters Muon updates")
+    return {name: "muon" if p.dim() == 2 and getattr(p, "use_muon", True) else "adamw"
+            for name, p in compiled.named_parameters(model, remove_duplicate=False)}
 
 
 def current_lr(cfg, schedule, state, optimizer=None) -> list[float]:

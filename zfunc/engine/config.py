@@ -34,7 +34,7 @@ from ..ops._names import nearest, unknown
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """The ``optimizer`` section. ``type`` is ``"adam"``, ``"adamw"`` or ``"sgd"``.
+    """The ``optimizer`` section. ``type`` is ``"adam"``, ``"adamw"``, ``"sgd"`` or ``"muon"``.
 
     ``decoupled`` is the weight decay DeepSpeed actually applies: True is AdamW's
     (on the weights), False is L2 (added to the gradient). DeepSpeed's ``"Adam"``
@@ -42,6 +42,10 @@ class OptimizerConfig:
     ``weight_decay`` is DeepSpeed's: 0 (its FusedAdam / CPU Adam), or 0.01 when
     ``torch_adam`` picks ``torch.optim.AdamW``. ``torch_adam`` and ``fused`` are
     recorded, not acted on.
+
+    ``"muon"`` is DeepSpeed's Muon: ``zf.optim.muon`` (``momentum``, ``nesterov``, ``ns_steps``,
+    ``adjust_lr_fn``) on the parameters DeepSpeed gives it (``use_muon``, else every 2-D parameter),
+    AdamW (``betas``, ``eps``) on the rest, both with ``lr`` and ``weight_decay``.
     """
 
     type: str
@@ -55,6 +59,8 @@ class OptimizerConfig:
     nesterov: bool = False
     torch_adam: bool = False
     fused: bool | None = None
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
 
 
 @dataclass(frozen=True)
@@ -438,7 +444,7 @@ def _divide(tbs: int, other, world: int, result: str) -> int:
     return tbs // by
 
 
-_DS_OPTIMIZERS_NOT_YET = ("Adagrad", "Lamb", "Lion", "MuAdam", "MuAdamW", "MuSGD", "Muon", "OneBitAdam",
+_DS_OPTIMIZERS_NOT_YET = ("Adagrad", "Lamb", "Lion", "MuAdam", "MuAdamW", "MuSGD", "OneBitAdam",
                           "ZeroOneAdam", "OneBitLamb")
 
 
@@ -450,12 +456,12 @@ def _optimizer(sec: _Section | None, ignored: list) -> OptimizerConfig | None:
         raise ValueError("optimizer.type is missing; one of 'Adam', 'AdamW', 'SGD'")
     sec.ignore("legacy_fusion")  # DeepSpeed's fp16 optimizer wrapper variant
     name = kind.lower()
-    if name not in ("adam", "adamw", "sgd"):
+    if name not in ("adam", "adamw", "sgd", "muon"):
         not_yet = [n for n in _DS_OPTIMIZERS_NOT_YET if n.lower() == name] or _torch_optimizer(name)
         if not_yet:
             raise ValueError(f"optimizer.type {kind!r}: the {not_yet[0]} optimizer is not supported yet "
-                             "(supported: Adam, AdamW, SGD)")
-        raise ValueError(unknown(f"optimizer.type {kind!r}", kind, ("Adam", "AdamW", "SGD"),
+                             "(supported: Adam, AdamW, SGD, Muon)")
+        raise ValueError(unknown(f"optimizer.type {kind!r}", kind, ("Adam", "AdamW", "SGD", "Muon"),
                                  label="supported", cutoff=0.5))
     p = sec.sub("params") or _Section({}, "optimizer.params", ignored)
     sec.finish()
@@ -466,6 +472,19 @@ def _optimizer(sec: _Section | None, ignored: list) -> OptimizerConfig | None:
     wd_given = p.get("weight_decay", "float", None, lo=0.0)
     p.fixed("maximize", False, "maximizing")
     p.ignore("foreach", "differentiable")  # torch.optim implementation switches
+    if name == "muon":
+        momentum = p.get("momentum", "float", 0.95, lo=0.0)
+        nesterov = p.get("nesterov", "bool", True)
+        ns_steps = p.get("ns_steps", "int", 5, lo=1)
+        adjust = p.get("adjust_lr_fn", "str", None, nullable=True)
+        betas = _betas(p)
+        eps = p.get("eps", "float", 1e-8, lo=0.0)
+        p.finish()
+        if adjust not in (None, "original", "match_rms_adamw"):
+            raise ValueError(f"optimizer.params.adjust_lr_fn must be 'original' or 'match_rms_adamw', got {adjust!r}")
+        return OptimizerConfig("muon", lr=lr, betas=betas, eps=eps, weight_decay=0.1 if wd_given is None else wd_given,
+                               decoupled=True, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                               adjust_lr_fn=adjust)
     if name == "sgd":
         momentum = p.get("momentum", "float", 0.0, lo=0.0)
         dampening = p.get("dampening", "float", 0.0, lo=0.0)

@@ -146,7 +146,7 @@ class Engine(Loop):
         self.rank = dist.rank()
         self.state_dict_keys = [compiled.plain_name(k) for k in model.state_dict()]  # without _orig_mod.
         loss = model_loss(model, loss_fn)
-        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler, model)
         self.optimizer_fn = opt
         self._train_base = train_step(loss, opt)
         self.step_fn = compose(cfg, self._train_base)

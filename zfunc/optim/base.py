@@ -149,6 +149,9 @@ def state_bytes_per_element(optimizer) -> int:
     """Bytes of optimizer state per parameter element (what its init makes for one element)."""
     if optimizer is None:
         return 0
-    state = optimizer.init({"x": torch.zeros(1)})
+    try:  # one 1 x 1 matrix, which whole-tensor optimizers (Muon: 2-D only) take too
+        state = optimizer.init({"x": torch.zeros(1, 1)})
+    except ValueError:  # a zf.optim.multi whose labels name every parameter, so not "x": AdamW's moments
+        return 8
     return sum(t.numel() * t.element_size() for t in optree.tree_leaves(state, namespace=NAMESPACE)
-               if isinstance(t, torch.Tensor) and t.dim() == 1)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())

@@ -59,7 +59,7 @@ class PipelineEngine(Loop):
         if c is not None and c.enabled:  # the stage's layers, each compiled in place (zf.compile_units)
             compile_blocks(self.module, {**c.kwargs, "backend": resolve_backend(c.backend, "compile.backend")})
         self._tie_initial_weights()
-        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler)
+        opt, self.lr_schedule = build_optimizer(cfg, optimizer, lr_scheduler, self.module)
         self.optimizer_fn = opt
 
         def no_loss(params, batch):  # the interpreter drives forward and backward itself
