@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import dist
-from ..engine.handles import LiveGroup, LiveLr, OptimizerHandle, SchedulerHandle
+from ..engine.handles import LiveLr, OptimizerHandle, SchedulerHandle
 from ..optim import Optimizer, lr as lr_schedules
 from ..initialization import config_for, engine_for
 from ..pipeline import PipelineModule
@@ -64,7 +64,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     engine = engine_for(model, cfg, engine_class=DeepSpeedEngine, optimizer=zopt, lr_scheduler=schedule)
     engine.group_schedules = group_schedules
     if groups is not None:
-        engine.optimizer = OptimizerHandle(engine, groups)
+        live = group_schedules is not None and all(isinstance(s, LiveLr) for s in group_schedules)
+        engine.optimizer = OptimizerHandle(engine, groups, live=groups if live else None)
     if scheduler_kind is not None:
         engine.lr_scheduler = SchedulerHandle(engine, scheduler_kind)
     zero.register_engine(engine)
@@ -154,8 +155,10 @@ def _optimizer_and_schedule(cfg, model, optimizer, model_parameters, lr_schedule
                            for k in range(len(optimizer.param_groups))]
     groups = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in optimizer.param_groups]
     live = None
-    if lr_scheduler is None:  # the lr is what the returned optimizer's groups hold: a scheduler built on it sets it
-        groups = [LiveGroup(g, lr=float(o["lr"])) for g, o in zip(groups, optimizer.param_groups)]
+    if lr_scheduler is None:  # the lr is what the script's optimizer's own groups hold, as under DeepSpeed (whose
+        # optimizer keeps those dicts): a scheduler built on it (Accelerate) or on the returned optimizer (the
+        # Trainer), which shows the same groups, sets it
+        groups = optimizer.param_groups
         group_schedules = live = [LiveLr(groups, k) for k in range(len(groups))]
     zopt = client.optimizer_from_client(optimizer, model, lr_scheduler=lr_scheduler, live_lrs=live)
     kind = None

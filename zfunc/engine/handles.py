@@ -26,17 +26,15 @@ class ParamGroup(dict):
         super().__setitem__(key, value)
 
 
-class LiveGroup(dict):
-    """One param group of a script's optimizer that no schedule drives (``deepspeed.initialize``
-    given a torch optimizer and no scheduler): its ``lr`` is what the next update uses, so a
-    scheduler the script builds on the returned optimizer afterwards (transformers' Trainer does)
-    sets it by writing here, as it writes a torch optimizer's groups under DeepSpeed."""
-
-
 class LiveLr:
-    """``step -> lr`` of live group ``k``: the value its ``lr`` holds when the update runs."""
+    """``step -> lr`` of live group ``k``: the value its ``lr`` holds when the update runs.
 
-    def __init__(self, groups: list[LiveGroup], k: int):
+    Live groups are the script's torch optimizer's own ``param_groups`` when ``deepspeed.initialize``
+    is given that optimizer and no scheduler: DeepSpeed's optimizer holds those same dicts, so a
+    scheduler built afterwards on the script's optimizer (an Accelerate loop's) or on the returned
+    one (transformers' Trainer's) sets the lr of the next update by writing there."""
+
+    def __init__(self, groups: list[dict], k: int):
         self.groups, self.k = groups, k
 
     def __call__(self, step) -> float:
@@ -45,13 +43,11 @@ class LiveLr:
 
 class OptimizerHandle:
     """``engine.optimizer``: the engine's optimizer as scripts read it (see the module docstring).
-    ``live``: the script's groups whose lr the script sets (``LiveGroup``), returned as they are."""
+    ``live``: the script's optimizer's groups, whose lr the script sets (``LiveLr``), returned as they are."""
 
-    def __init__(self, engine, hyperparameters: list[dict] | None = None, live: list[LiveGroup] | None = None):
+    def __init__(self, engine, hyperparameters: list[dict] | None = None, live: list[dict] | None = None):
         self._engine = engine
         self._groups = hyperparameters
-        if live is None and hyperparameters and all(isinstance(g, LiveGroup) for g in hyperparameters):
-            live = hyperparameters
         self.live = live
 
     @property
@@ -97,7 +93,7 @@ class OptimizerHandle:
     def state_dict(self) -> dict:
         """The update count and the param groups' hyperparameters (the moments are in the state:
         ``engine.save_checkpoint`` writes them)."""
-        return {"param_groups": [dict(g) for g in self.param_groups],
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "state": {"step": update_count(self._engine.state.opt_state)}}
 
     def live_lrs(self) -> list[float] | None:

@@ -117,9 +117,13 @@ class PipelineEngine(Loop):
         """The step's micro-batches (first and last stage only: the others need no data)."""
         if not (self.module.first or self.module.last):
             return [None] * self.gradient_accumulation_steps()
+        if data_iter is not None:  # kept, as DeepSpeed's pipeline engine keeps it, for calls without one
+            self.data_iterator = data_iter
+        data_iter = getattr(self, "data_iterator", None)
         if data_iter is None:
             raise ValueError(f"stage {self.grid.stage} (the {'first' if self.module.first else 'last'}) needs "
-                             "data_iter: an iterator over (inputs, labels) micro-batches")
+                             "data_iter: an iterator over (inputs, labels) micro-batches (or the engine's "
+                             "set_dataloader(loader), or training_data given to deepspeed.initialize)")
         return [_split_batch(b) for b in self._next_micro_batches(data_iter)]
 
     # ------------------------------------------------------------- interpreter
@@ -252,9 +256,23 @@ class PipelineEngine(Loop):
                 dist.all_reduce_sum(flags[starts[unit] : starts[unit + 1]], group)
         return agreed_live(grads, flags.tolist())
 
+    def set_dataloader(self, loader) -> None:
+        """Draw micro-batches from ``loader`` (e.g. a ``RepeatingLoader``) when ``train_batch`` /
+        ``eval_batch`` get no ``data_iter`` (DeepSpeed's; the first and last stages only read it)."""
+        if self.module.first or self.module.last:
+            self.training_dataloader = loader
+            self.data_iterator = iter(loader)
+
+    def set_dataiterator(self, iterator) -> None:
+        """Draw micro-batches from ``iterator`` when ``train_batch`` / ``eval_batch`` get none (DeepSpeed's)."""
+        if self.module.first or self.module.last:
+            self.training_dataloader = None
+            self.data_iterator = iterator
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One step over ``gradient_accumulation_steps`` micro-batches (pulled by the first and last
-        stages); returns the mean loss on every rank."""
+        stages from ``data_iter``, else the iterator kept from the last one given or set); returns
+        the mean loss on every rank."""
         micro = self._pull(data_iter)
         program = S.schedule(self.pipeline_schedule, len(micro), self.grid.stages, self.grid.stage)
         start = time.perf_counter()

@@ -1,0 +1,124 @@
+"""Libraries that drive DeepSpeed themselves, unchanged, on zfunc (``ZFUNC_AS_DEEPSPEED=1``) and on
+real DeepSpeed 0.19 (CPU accelerator, gloo) in the same environment, launched by torchrun
+(tests/harness/ds_clients.py): every micro-batch's loss on every rank equal (fp32: 1e-5 relative).
+
+- an ordinary Accelerate loop with its DeepSpeed plugin (``prepare``, ``accumulate``,
+  ``backward``, ``optimizer.step()``, ``scheduler.step()``, ``unwrap_model``, ``get_state_dict``,
+  ``save_state`` / ``load_state``), ZeRO-2 and ZeRO-3, at W = 1 and 2.
+
+The launches are slow (two torchrun runs a case); the fast test here checks in one process the
+one thing Accelerate's loop asks of the engine that the Trainer does not: its scheduler is built
+on the script's optimizer before ``prepare``, not on the optimizer ``initialize`` returns."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zfunc.deepspeed as zds
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+import ds_clients  # noqa: E402
+import hf_trainer  # noqa: E402
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        return F.cross_entropy(self.head(x), y)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_scheduler_built_on_the_scripts_optimizer_before_initialize_sets_the_lr(stage):
+    """Accelerate's order: a torch scheduler on the script's own optimizer, made before ``prepare``
+    (which passes ``initialize`` the optimizer and not the scheduler) and stepped after each update:
+    the lr of each update is the one it writes into that optimizer's groups, as under DeepSpeed,
+    whose optimizer holds those groups: equal to plain torch."""
+    model = Net()
+    reference = copy.deepcopy(model)
+    lam = lambda k: [0.0, 1.0, 0.5, 0.25, 0.125][min(k, 4)]  # noqa: E731
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lam)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}}
+    engine, returned, _, _ = zds.initialize(model=model, optimizer=optimizer, config=config)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lam)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        engine.backward(engine(x, y))
+        engine.step()
+        scheduler.step()
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_sched.step()
+        assert returned.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    for name, t in reference.named_parameters():
+        torch.testing.assert_close(engine.params()[name], t.detach(), **FP32)
+    engine.close()
+
+
+# ------------------------------------------------------------------ against real DeepSpeed
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    return hf_trainer.save_model_folder(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+def _config(stage: int, **extra) -> dict:
+    """An Accelerate user's DeepSpeed config: "auto" where Accelerate fills it (from the loader's batch
+    size and the plugin), the 16-bit weights gathered for ``get_state_dict`` under ZeRO-3."""
+    cfg = hf_trainer.ds_config(stage)
+    cfg["bf16"] = {"enabled": False}
+    return {**cfg, **extra}
+
+
+def _both(tmp_path, client, world, case):
+    ours = ds_clients.run("zfunc", client, case, str(tmp_path / "zfunc"), world)
+    theirs = ds_clients.run("deepspeed", client, case, str(tmp_path / "deepspeed"), world)
+    assert all("+zfunc" in r["deepspeed"] for r in ours) and not any("+zfunc" in r["deepspeed"] for r in theirs)
+    return ours, theirs
+
+
+def _same(ours, theirs, keys=("losses",), tol=FP32):
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        for key in keys:
+            assert len(a[key]) == len(b[key]) and a[key], (rank, key, a[key], b[key])
+            torch.testing.assert_close(torch.tensor(a[key], dtype=torch.float64),
+                                       torch.tensor(b[key], dtype=torch.float64), **tol,
+                                       msg=lambda m: f"rank {rank} {key}: {a[key]} vs DeepSpeed {b[key]}\n{m}")
+
+
+def _same_state_dicts(tmp_path):
+    ours, theirs = (torch.load(tmp_path / w / "state_dict.pt") for w in ("zfunc", "deepspeed"))
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        torch.testing.assert_close(t, theirs[name], **FP32, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_loop(tmp_path, model_folder, stage, world):
+    """Four updates with a torch AdamW and transformers' linear warmup scheduler; ``get_state_dict``
+    after them equal to DeepSpeed's."""
+    case = {"model": model_folder, "config": _config(stage), "steps": 4}
+    ours, theirs = _both(tmp_path, "accelerate", world, case)
+    _same(ours, theirs, keys=("losses", "lrs"))
+    assert {r["unwrapped"] for r in ours + theirs} == {"LlamaForCausalLM"}
+    _same_state_dicts(tmp_path)
