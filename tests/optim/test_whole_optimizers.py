@@ -91,7 +91,8 @@ def test_errors_name_the_parameter_and_what_to_do():
 
 
 def train(stage: int, steps: int, per_rank: int, opt_name: str = "recipe", ns_dtype=torch.bfloat16,
-          dtype=torch.float32) -> dict:
+          dtype=torch.float32, shard: int | None = None) -> dict:
+    """``shard``: hybrid sharding over a (W / shard) x shard mesh."""
     rank, world = zf.dist.rank(), zf.dist.world_size()
     model, twin = build("gpt").to(dtype), build("gpt").to(dtype)
 
@@ -104,7 +105,8 @@ def train(stage: int, steps: int, per_rank: int, opt_name: str = "recipe", ns_dt
            "rmsprop": lambda: zf.optim.from_torch(torch.optim.RMSprop, lr=1e-3, momentum=0.5)}[opt_name]()
     step = zf.train_step(loss_fn, opt)
     if stage:
-        step = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+        mesh = {} if shard is None else {"mesh": zf.dist.mesh(shard=shard)}
+        step = {1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step, **mesh)
     state = step.init(model)
     for i in range(steps):
         state, _ = step(state, local(batch("gpt", twin, i, per_rank * world), rank, world))
@@ -151,3 +153,15 @@ def test_adafactor_and_rmsprop_under_zero_at_w2_w3(world):
         for stage in (1, 2, 3):
             for got in workers(world).run(train, stage, STEPS, 2, name):
                 assert_close_to(got, expected)
+
+
+@pytest.mark.slow
+def test_whole_tensor_optimizers_under_a_2x2_mesh():
+    """Hybrid sharding (W = 4: two replicas of a 2-way shard group): owners within each shard group."""
+    expected = train_torch("gpt", torch_recipe, STEPS, 8, dtype=torch.float64)
+    for stage in (1, 3):
+        for got in workers(4).run(train, stage, STEPS, 2, "recipe", torch.float64, torch.float64, 2):
+            assert_close_to(got, expected)
+    expected = train_torch("gpt", TORCH["adafactor"], STEPS, 8)
+    for got in workers(4).run(train, 3, STEPS, 2, "adafactor", torch.bfloat16, torch.float32, 2):
+        assert_close_to(got, expected)
