@@ -65,6 +65,19 @@ def test_accumulation_at_two_ranks(tmp_path, model_folder, stage):
 
 
 @pytest.mark.slow
+def test_from_pretrained_after_the_arguments(tmp_path, model_folder):
+    """The TrainingArguments first, as most scripts have it: from_pretrained takes transformers'
+    ZeRO-3 path (zero.Init, GatheredParameters, zfunc's spill); the run equals DeepSpeed's, and the
+    one that built the model first. (A peft model made then has its adapters on the meta device, as
+    its base: zfunc gives them peft's init at initialize, other draws than DeepSpeed's CPU ones.)"""
+    ours, theirs = _both(tmp_path, model_folder, 2, harness.ds_config(3), steps=4, args_first=True)
+    _same(ours, theirs)
+    first = harness.run("zfunc", {"model": model_folder, "config": harness.ds_config(3), "steps": 4},
+                        str(tmp_path / "model_first"), 2)
+    _same(ours, first)
+
+
+@pytest.mark.slow
 def test_optimizer_offload_to_cpu(tmp_path, model_folder):
     ours, theirs = _both(tmp_path, model_folder, 2, harness.ds_config(3, offload=True), steps=4)
     _same(ours, theirs)

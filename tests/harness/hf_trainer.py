@@ -101,6 +101,18 @@ def _trainer(case: dict, out: str, model_folder: str, seen: dict, resume: str | 
     import torch
     import transformers
 
+    def arguments():
+        return transformers.TrainingArguments(
+            output_dir=out, deepspeed=case["config"], per_device_train_batch_size=2,
+            gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 4), learning_rate=2e-3,
+            warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
+            save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 500,
+            report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+            bf16=case.get("bf16", False), save_only_model=False, **cpu_processes(case.get("bf16", False)))
+
+    # args_first: the TrainingArguments (a live ZeRO-3 config) before the model, so from_pretrained
+    # takes transformers' ZeRO-3 path (zero.Init, GatheredParameters)
+    args = arguments() if case.get("args_first") else None
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
     if case.get("lora"):
@@ -112,13 +124,7 @@ def _trainer(case: dict, out: str, model_folder: str, seen: dict, resume: str | 
         if torch.is_grad_enabled() and getattr(output, "loss", None) is not None:
             seen["losses"].append(float(output.loss.detach().float()))
     model.register_forward_hook(record, with_kwargs=True)
-    args = transformers.TrainingArguments(
-        output_dir=out, deepspeed=case["config"], per_device_train_batch_size=2,
-        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 4), learning_rate=2e-3,
-        warmup_steps=1, lr_scheduler_type="linear", weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="steps" if case.get("save_steps") else "no", save_steps=case.get("save_steps") or 500,
-        report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, bf16=case.get("bf16", False),
-        save_only_model=False, **cpu_processes(case.get("bf16", False)))
+    args = args or arguments()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]

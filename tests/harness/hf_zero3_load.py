@@ -4,8 +4,10 @@
 
 ``python tests/harness/hf_zero3_load.py --which zfunc|deepspeed --folder F --out DIR`` (under
 torchrun) writes ``DIR/rank{r}.json``: transformers' missing keys, the names whose gathered
-value differs from the file's tensor by any bit (``differ``), those compared (``compared``), and
-the peak RSS growth of the load in MiB.
+value differs from the file's tensor by any bit (``differ``), those compared (``compared``),
+whether every parameter is on the meta device after ``from_pretrained`` (zfunc: its values wait in
+the spill), the peak RSS growth in MiB of ``from_pretrained`` and of it with ``initialize``, and the
+model's size in MiB.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def main() -> None:
     before = _rss_mib()
     model, info = transformers.AutoModelForCausalLM.from_pretrained(a.folder, output_loading_info=True,
                                                                      dtype=torch.float32)
+    loaded = _rss_mib() - before
+    on_meta = all(p.is_meta for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, config=config)
     grown = _rss_mib() - before
     files = safetensors.torch.load_file(os.path.join(a.folder, "model.safetensors"))
@@ -62,7 +66,8 @@ def main() -> None:
                                                                 files[name].view(-1).view(torch.int32)):
             differ.append(name)
     out = {"missing": sorted(info.get("missing_keys", [])), "differ": differ, "compared": compared,
-           "rss_growth_mib": grown, "files": sorted(files)}
+           "rss_growth_mib": grown, "loaded_growth_mib": loaded, "on_meta_after_load": on_meta,
+           "model_mib": sum(t.numel() * t.element_size() for t in files.values()) / 2**20, "files": sorted(files)}
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     torch.distributed.barrier()

@@ -20,6 +20,10 @@ Like DeepSpeed's ``DeepSpeedEngine`` it is an ``nn.Module`` whose child is the u
   saves no RNG state), where zfunc's checkpoints put back the RNG state of the save so that a
   resumed run draws what the uninterrupted one would have. A DeepSpeed script that seeds, builds
   a fresh model and loads gets DeepSpeed's dropout masks after the load.
+- a model built under a ZeRO-3 ``zero.Init`` whose ``GatheredParameters`` blocks wrote values
+  before ``initialize`` (transformers' ``from_pretrained`` under a ZeRO-3 config) starts from them:
+  they were written to the model's spill (``zero.Spill``), read here as pretrained weights, one
+  unit at a time, each rank its own bytes; the spill is removed.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from torch import nn
 from .. import dist, lazy
 from ..engine import sixteen_bit
 from ..engine.engine import Engine
+from . import zero
 from .zero import ZeroParamStatus
 
 
@@ -40,7 +45,14 @@ class DeepSpeedEngine(Engine, nn.Module):
 
     def __init__(self, model: nn.Module, cfg, **kwargs):
         nn.Module.__init__(self)
-        Engine.__init__(self, model, cfg, **kwargs)
+        spill = zero.spilled(model)  # what GatheredParameters blocks wrote under a ZeRO-3 Init (from_pretrained)
+        if spill is not None and kwargs.get("weights") is None:
+            kwargs.update(weights=spill.weights(), strict=False)
+        try:
+            Engine.__init__(self, model, cfg, **kwargs)
+        finally:
+            if spill is not None:
+                zero.forget_spill(model)
         _bind_outside_steps(self, model)
         if self.zero_optimization_partition_weights():
             _mark_partitioned(model)

@@ -24,6 +24,13 @@ the block, on every rank (every rank enters it, as in DeepSpeed: it is collectiv
   the values of the block's start are put back. A parameter that already holds data is left alone,
   as DeepSpeed leaves a parameter that is not ZeRO's.
 
+- before it, under an ``Init`` given a ZeRO-3 config (transformers' ``from_pretrained`` under a
+  ZeRO-3 config passes one), the values on exit go instead to the model's spill (``Spill``: one
+  safetensors file per block, in a folder of this process's) and the parameters back to the meta
+  device, the block's memory returned to the OS; a later block reads them back, and ``initialize``
+  reads the spill as pretrained weights, one unit at a time, each rank its own bytes, then removes
+  it. Loading a model this way holds one block's tensors, not the model.
+
 ``register_engine(engine)`` (called by ``zfunc.deepspeed.initialize``) marks the model's stand-ins
 with a weak reference to their engine; the engine's state, replaced every step, is read through
 the engine at the block's entry and exit.
@@ -34,12 +41,15 @@ import contextlib
 import enum
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 import weakref
 
 import torch
 from torch import nn
 
-from .. import dist, lazy
+from .. import buffers, dist, lazy
 from ..state import State, check_usable, master_params, unit_values, write_params
 from ..unit_init import ParameterInit
 from ..weights import hf_init
@@ -77,16 +87,22 @@ def register_engine(engine) -> None:
 _built: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> its parents
 _active = 0  # Init blocks open now (nested ones share the hooks)
 _hooks: list = []
+_spilling: list = []  # per open Init block: whether it was given a ZeRO-3 config (values written go to a spill)
+_spill_mode: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules built under such a block
 
 
 def _parameter_registered(module, name, param):
     _built.setdefault(module, [])
+    if any(_spilling):
+        _spill_mode.add(module)
 
 
 def _child_registered(module, name, child):
     if child is not None:
         _built.setdefault(child, []).append(weakref.ref(module))
         _built.setdefault(module, [])
+        if any(_spilling):
+            _spill_mode.update((module, child))
 
 
 class Init:
@@ -113,6 +129,7 @@ class Init:
         self.module = module
         cfg = _read_config(config_dict_or_path if config_dict_or_path is not None else config)
         zero = cfg.get("zero_optimization") or {}
+        self._spill = zero.get("stage") == 3  # transformers' from_pretrained passes its ZeRO-3 config
         refused = [name for name, on in (
             ("zero_quantized_weights", zero_quantized_weights or zero.get("zero_quantized_weights")),
             ("zero_quantized_nontrainable_weights",
@@ -139,6 +156,7 @@ class Init:
             _hooks.append(m.register_module_parameter_registration_hook(_parameter_registered))
             _hooks.append(m.register_module_module_registration_hook(_child_registered))
         _active += 1
+        _spilling.append(self._spill)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -146,6 +164,7 @@ class Init:
         if not self.enabled:
             return
         _active -= 1
+        _spilling.pop()
         if _active == 0:
             while _hooks:
                 _hooks.pop().remove()
@@ -192,6 +211,90 @@ def _initializer(root: nn.Module, names: tuple) -> ParameterInit:
     if not _initializer_of or _initializer_of[0][0] is not root or _initializer_of[0][1] != names:
         _initializer_of[:] = [(root, names, ParameterInit(root))]
     return _initializer_of[0][2]
+
+
+# --------------------------------------------------------------------- the spill
+
+
+class Spill:
+    """The values ``GatheredParameters`` blocks wrote into the parameters of a model built under a
+    ZeRO-3 ``Init`` (transformers' ``from_pretrained`` under a ZeRO-3 config), before
+    ``initialize``: one safetensors file per block in a folder of this process's, the parameters
+    back on the meta device after each block. ``initialize`` reads the folder as pretrained weights
+    (zfunc.weights: each unit in turn, each rank its own bytes) and removes it, so loading holds one
+    block's tensors at a time, not the model. A later block over a written parameter reads it back."""
+
+    def __init__(self):
+        self.folder = tempfile.mkdtemp(prefix="zfunc-zero-init-")
+        self.file_of: dict[str, str] = {}  # parameter name -> its newest file
+        self._count = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.file_of
+
+    def write(self, values: dict[str, torch.Tensor]) -> None:
+        import safetensors.torch
+        name = f"block-{self._count:06d}.safetensors"
+        self._count += 1
+        safetensors.torch.save_file({n: v.detach().to("cpu").contiguous() for n, v in values.items()},
+                                    os.path.join(self.folder, name))
+        self.file_of.update((n, name) for n in values)
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+        out = {}
+        for n in names:
+            with safe_open(os.path.join(self.folder, self.file_of[n]), "pt") as f:
+                out[n] = f.get_tensor(n)
+        return out
+
+    def weights(self) -> str:
+        """The folder as ``weights=`` reads it: an index naming each parameter's newest file (a file
+        whose tensors were all written again later is removed)."""
+        live = set(self.file_of.values())
+        for name in os.listdir(self.folder):
+            if name.endswith(".safetensors") and name not in live:
+                os.remove(os.path.join(self.folder, name))
+        index = {"metadata": {}, "weight_map": dict(sorted(self.file_of.items()))}
+        with open(os.path.join(self.folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f)
+        return self.folder
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_spills: "weakref.WeakKeyDictionary[nn.Module, Spill]" = weakref.WeakKeyDictionary()  # root -> its spill
+
+
+def _spill_of(root: nn.Module) -> Spill:
+    if root not in _spills:
+        spill = _spills[root] = Spill()
+        weakref.finalize(root, spill.close)
+    return _spills[root]
+
+
+def spilled(model: nn.Module) -> Spill | None:
+    """The spill of ``model`` (or of a model inside it: a peft model over an Init-built base), if any."""
+    for m in model.modules():
+        if m in _spills:
+            return _spills[m]
+    return None
+
+
+def forget_spill(model: nn.Module) -> None:
+    """Remove ``model``'s spill (``initialize`` has read it)."""
+    for m in model.modules():
+        spill = _spills.pop(m, None)
+        if spill is not None:
+            spill.close()
+
+
+def _back_to_meta(p: nn.Parameter) -> None:
+    """``p`` on the meta device again, the same object in every slot, its attributes kept."""
+    meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    meta.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, meta)
 
 
 # ------------------------------------------------------- zero.GatheredParameters
@@ -328,12 +431,18 @@ class GatheredParameters:
         for root, params in roots.values():
             named = list(root.named_parameters())  # first names: what ParameterInit keys by
             name_of = {id(q): n for n, q in named}
-            values = _initializer(root, tuple(n for n, _ in named))([name_of[id(p)] for p in params], device="cpu")
-            for p in params:
-                real = nn.Parameter(values[name_of[id(p)]], requires_grad=p.requires_grad)
+            names = [name_of[id(p)] for p in params]
+            spill = _spills.get(root)
+            written = spill.read([n for n in names if spill.has(n)]) if spill is not None else {}
+            fresh = [n for n in names if n not in written]
+            values = {**(_initializer(root, tuple(n for n, _ in named))(fresh, device="cpu") if fresh else {}),
+                      **written}
+            for p, name in zip(params, names):
+                real = nn.Parameter(values[name], requires_grad=p.requires_grad)
+                real.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: keep the slot's own
                 torch.utils.swap_tensors(p, real)  # the same object, now holding data, in every slot
                 hf_init.mark_loaded(p)  # transformers' init (a parent's, at initialize) leaves it, as a loaded one
-                self._built.append((p, p.detach().clone()))
+                self._built.append((p, p.detach().clone(), root, name))
 
     # ------------------------------------------------------------------- exit
 
@@ -350,12 +459,22 @@ class GatheredParameters:
                 for value in self._values.values():  # in the sorted order every rank agreed on
                     dist.broadcast(value, self.modifier_rank, group)
                 write_params(state, self._values)
-            for p, before in self._built:
+            written: dict = {}
+            for p, before, root, name in self._built:
                 with torch.no_grad():
                     if self.modifier_rank is None:
                         p.copy_(before)
                     elif dist.world_size() > 1:
                         dist.broadcast(p.data, self.modifier_rank)
+                written.setdefault(root, {})[name] = p
+            for root, params in written.items():  # under a ZeRO-3 Init: to the model's spill, back to meta
+                if root not in _spill_mode:
+                    continue
+                if self.modifier_rank is not None:
+                    _spill_of(root).write({name: p.detach() for name, p in params.items()})
+                for p in params.values():
+                    _back_to_meta(p)
+                buffers.trim()  # the block's memory back to the OS: loading holds one block, not the model
         finally:
             self._values = self._engine = None
             self._built = []
