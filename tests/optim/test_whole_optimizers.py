@@ -165,3 +165,23 @@ def test_whole_tensor_optimizers_under_a_2x2_mesh():
     expected = train_torch("gpt", TORCH["adafactor"], STEPS, 8)
     for got in workers(4).run(train, 3, STEPS, 2, "adafactor", torch.bfloat16, torch.float32, 2):
         assert_close_to(got, expected)
+
+
+def optimizer_bytes(opt_name: str) -> int:
+    model = build("gpt")
+    opt = {"recipe": zfunc_recipe, "adafactor": lambda: zf.optim.adafactor(0.05)}[opt_name]()
+    step = zf.zero3(zf.train_step(lambda p, b: loss("gpt", zf.apply(model, p, b[0]), b[1]), opt))
+    return zf.memory_report(step.init(model))["optimizer_bytes"]
+
+
+def test_memory_report_shows_the_state_each_rank_holds():
+    """Muon's momentum and AdamW's moments are sharded with the parameters (each rank about 1/W of
+    them); Adafactor's factors are small and on every rank."""
+    one = workers(1).run(optimizer_bytes, "recipe")[0]
+    two = workers(2).run(optimizer_bytes, "recipe")
+    params = sum(p.numel() for p in build("gpt").parameters())
+    muon = sum(p.numel() for n, p in build("gpt").named_parameters() if recipe_label(n) == "muon")
+    assert one >= 4 * (2 * params + muon)  # AdamW's two moments over every parameter, Muon's momentum
+    assert all(b < 0.6 * one for b in two)
+    factors = workers(2).run(optimizer_bytes, "adafactor")
+    assert factors[0] == factors[1] < 0.3 * one

@@ -1,0 +1,167 @@
+"""Muon + AdamW against AdamW under zfunc's zero3 at W = 4 over gloo.
+
+    python benchmarks/muon.py            # the GPT of examples/gpt.py, 4 layers, d_model 256, W = 4
+    python benchmarks/muon.py --small    # smoke test
+
+Each optimizer runs in its own fresh set of W processes (benchmarks/_launch.py) on the same model
+(seed 0) and batches, fp32, ``zf.zero3(zf.train_step(loss, opt))``:
+
+* ``adamw``: ``zf.optim.adamw(lr, weight_decay=0.01)`` on every parameter;
+* ``muon``: ``zf.optim.multi`` of ``zf.optim.muon(0.02, weight_decay=0.01)`` on the blocks' 2-D
+  weights and that AdamW on the rest (embeddings, head, norms, biases): the standard recipe.
+
+Measured per optimizer: the median step time (each step starts at a barrier and ends on the slowest
+rank; the warm-up left out), the optimizer's share of it (its update, timed on each rank, the
+slowest rank's), the bytes per collective kind of the last step (rank 0's ``metrics["comm"]``:
+whole buffers, nccl-tests' convention), the optimizer state a rank holds (``zf.memory_report``'s
+``optimizer_bytes``, the largest rank's) and the peak RSS (the largest rank's high-water mark).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+sys.path.insert(0, HERE)
+from _launch import driver_or_worker, each_in_fresh_processes  # noqa: E402
+from _worker import finish, timed_steps  # noqa: E402
+from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
+
+import zfunc as zf  # noqa: E402
+from zfunc.testing import memory  # noqa: E402
+
+PEERS = {"adamw": "AdamW on every parameter", "muon": "Muon on the blocks' matrices + AdamW on the rest"}
+WORLD = 4
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256, help="d_model")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", default=None)
+    p.add_argument("--small", action="store_true", help="a tiny model and 2 steps, for smoke testing")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.small:
+        args.layers, args.width, args.vocab, args.seq, args.steps, args.warmup = 2, 64, 256, 16, 2, 1
+    args.peers = args.peers.split(",")
+    return args
+
+
+def hidden(name: str) -> bool:
+    """The recipe's Muon parameters in examples/gpt.py's GPT: its blocks' 2-D weights."""
+    return name.startswith("blocks.") and name.endswith(".weight") and ".ln" not in name
+
+
+def optimizer(peer: str):
+    adamw = zf.optim.adamw(1e-3, weight_decay=0.01)
+    if peer == "adamw":
+        return adamw
+    return zf.optim.multi({"muon": zf.optim.muon(0.02, weight_decay=0.01), "adamw": adamw},
+                          lambda name: "muon" if hidden(name) else "adamw")
+
+
+def timed(opt, seconds: list):
+    """``opt`` with each update's seconds appended to ``seconds``."""
+    def update(*a, **kw):
+        start = time.perf_counter()
+        out = opt.update(*a, **kw)
+        seconds.append(time.perf_counter() - start)
+        return out
+    return opt._replace(update=update)
+
+
+def worker(args) -> None:
+    peer, out = args.worker.split(",")
+    torch.set_num_threads(1)
+    zf.dist.init("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank:
+        sys.stdout = open(os.devnull, "w")
+    memory.reset_peak()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
+                    n_heads=args.heads, tie_embeddings=False)
+    model = GPT(cfg)
+    result = {"peer": peer, "params": num_params(model),
+              "muon_params": sum(p.numel() for n, p in model.named_parameters() if hidden(n))}
+
+    def loss_fn(params, b):
+        logits = zf.apply(model, params, b[0])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[1].flatten())
+
+    update_s: list = []
+    step = zf.zero3(zf.train_step(loss_fn, timed(optimizer(peer), update_s)))
+    state = step.init(model)
+    g = rank_generator(0, rank)
+    batches = []
+    for _ in range(args.warmup + args.steps):
+        tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
+        batches.append((tokens[:, :-1], tokens[:, 1:]))
+    comm = []
+
+    def train(batch):
+        nonlocal state
+        dist.barrier()
+        state, metrics = step(state, batch)
+        comm.append(metrics.get("comm", {}))
+        return metrics["loss"]
+
+    train.settle = lambda: None
+    times, losses = timed_steps(train, batches, cuda=False, warmup=args.warmup)
+    gathered = torch.tensor([times, update_s], dtype=torch.float64)
+    dist.all_reduce(gathered, op=dist.ReduceOp.MAX)
+    report = zf.memory_report(state)
+    sizes = torch.tensor([report["optimizer_bytes"], memory.peak()], dtype=torch.float64)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    kinds = {}
+    for dims in comm[-1].values():
+        for kind, c in dims.items():
+            if kind != "agreement":
+                kinds[kind] = kinds.get(kind, 0) + c["bytes"]
+    result.update(median_step_s=statistics.median(gathered[0, args.warmup:].tolist()),
+                  median_update_s=statistics.median(gathered[1, args.warmup:].tolist()),
+                  final_loss=losses[-1], optimizer_bytes=sizes[0].item(), peak_rss=sizes[1].item(), comm=kinds,
+                  comm_calls={k: sum(c["calls"] for d in comm[-1].values() for kk, c in d.items() if kk == k)
+                              for k in kinds})
+    dist.barrier()
+    finish(out if rank == 0 else os.devnull, result, cuda=False)
+
+
+def main(args):
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    rows = each_in_fresh_processes(args.peers, __file__, sys.argv[1:], WORLD, env=env, timeout=args.timeout)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    first = next(iter(rows.values()))
+    print(f"\nGPT pre-LN, {args.layers} layers, d_model {args.width}, vocab {args.vocab}, untied, "
+          f"{first['params'] / 1e6:.2f}M parameters ({first['muon_params'] / 1e6:.2f}M in the blocks' matrices); "
+          f"zero3, W = {WORLD} gloo ranks x 1 thread, {args.batch} x {args.seq} tokens a rank a step, fp32; "
+          f"median of {args.steps} steps after {args.warmup}\n")
+    kinds = sorted({k for r in rows.values() for k in r["comm"]})
+    print("| optimizer | step s | update s | " + " | ".join(f"{k} MiB (calls)" for k in kinds)
+          + " | optimizer state MiB/rank | peak RSS MiB | final loss |")
+    print("| --- " * (6 + len(kinds)) + "|")
+    for peer, r in rows.items():
+        cells = [f"{r['comm'].get(k, 0) / 2**20:.1f} ({r['comm_calls'].get(k, 0)})" for k in kinds]
+        print(f"| {PEERS[peer]} | {r['median_step_s']:.3f} | {r['median_update_s']:.4f} | " + " | ".join(cells)
+              + f" | {r['optimizer_bytes'] / 2**20:.1f} | {r['peak_rss'] / 2**20:.0f} | {r['final_loss']:.4f} |")
+
+
+if __name__ == "__main__":
+    driver_or_worker(parse_args, main, worker)
