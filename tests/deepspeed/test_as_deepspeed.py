@@ -36,7 +36,7 @@ import zfunc.deepspeed
 print("same", deepspeed is zfunc.deepspeed, sys.modules["deepspeed.ops.adam"] is sys.modules["zfunc.deepspeed.ops.adam"],
       deepspeed.__version__, zfunc.deepspeed.__spec__.name)
 try:
-    import deepspeed.moe
+    import deepspeed.inference
 except ModuleNotFoundError as e:
     print("refused", e.name)
 """
@@ -64,7 +64,7 @@ def test_the_switch_at_interpreter_start_makes_deepspeed_zfunc():
     assert f"version {version} deepspeed" in out
     assert "detected True True True" in out
     assert f"same True True {version} zfunc.deepspeed" in out
-    assert "refused deepspeed.moe" in out
+    assert "refused deepspeed.inference" in out
 
 
 def test_with_the_switch_off_real_deepspeed_is_found():
@@ -202,6 +202,31 @@ def test_small_helpers_do_what_deepspeeds_do():
     g, x.grad = x.grad, None
     model(x).sum().backward()
     torch.testing.assert_close(g, x.grad)
+
+
+def test_moe_utils_pass_dense_groups_through_and_moe_is_refused():
+    model = nn.Linear(2, 2)
+    group = {"params": list(model.parameters()), "name": "parameters"}
+    assert zds.moe.utils.split_params_into_different_moe_groups_for_optimizer(group) == [group]
+    model.weight.allreduce = False  # what DeepSpeed's MoE layers mark their experts with
+    with pytest.raises(NotImplementedError, match="expert"):
+        zds.moe.utils.split_params_into_different_moe_groups_for_optimizer([group])
+    with pytest.raises(NotImplementedError, match="mixture of experts"):
+        zds.moe.layer.MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2)
+
+
+def test_full_fp32_params_read_and_written_through_the_engine():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    engine, *_ = zds.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    weight = model[0].weight
+    before = zds.utils.safe_get_full_fp32_param(weight)
+    assert before.dtype == torch.float32 and before.shape == (4, 3)
+    zds.utils.safe_set_full_fp32_param(weight, torch.full((4, 3), 0.25))
+    torch.testing.assert_close(zds.utils.safe_get_full_fp32_param(weight), torch.full((4, 3), 0.25))
+    torch.testing.assert_close(engine.params()["0.weight"], torch.full((4, 3), 0.25))
 
 
 def test_the_config_object_reads_as_deepspeeds():

@@ -246,8 +246,15 @@ def pipeline_through_the_face() -> tuple:
         assert float(engine.train_batch(iter(data))) == float(reference.train_batch(iter(data)))
         assert optimizer.param_groups[0]["lr"] == scheduler.get_last_lr()[0] == reference.get_lr()[0]
     assert engine.gradient_accumulation_steps() == 2 and engine.dp_world_size == 1
-    with pytest.raises(NotImplementedError, match="training_data with a PipelineModule"):
-        zds.initialize(model=pipe(2), config=cfg, training_data=dataset())
+    # training_data: DeepSpeed's pipeline loader, in order, repeating; train_batch() draws from it
+    pairs = [micro_batch(i, m, 0) for i in range(2) for m in range(2)]
+    data = torch.utils.data.TensorDataset(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs]))
+    fed, _, fed_loader, _ = zds.initialize(model=pipe(2), config=cfg, training_data=data)
+    reference = zf.initialize(pipe(2), cfg)
+    assert fed_loader is not None and fed_loader is fed.training_dataloader  # both stages read data here
+    for i in range(3):  # the third step starts the data over
+        step = [pairs[(2 * i + m) % 4] for m in range(2)]
+        assert float(fed.train_batch()) == float(reference.train_batch(iter(step)))
     return scheduler.state_dict(), engine.global_steps
 
 

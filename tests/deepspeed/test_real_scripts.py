@@ -11,7 +11,23 @@ warming up); after that DeepSpeed's bf16 optimizer and zfunc's round the updated
 bf16 differently in a few elements, so the losses agree to bf16's rounding (relative 1e-3, seen
 ~2e-4), not to fp32's 1e-5.
 
-Not run: ZeRO-3 (transformers' ``resize_token_embeddings`` under ZeRO-3 hands
+DeepSpeedExamples' pipeline-parallelism script (AlexNet, the config's Adam, ``RepeatingLoader``,
+``deepspeed.runtime.utils.set_random_seed``): with ``-p 2`` a two-stage ``PipelineModule`` trained
+by ``engine.train_batch()`` from the engine's own loader of ``training_data``; with ``-p 0`` the
+plain data-parallel loop. fp32: the losses equal to 1e-5 over two epochs (dropout included). Its
+config is the example's with a batch of 16 (micro-batches of 4), lr 1e-4 (at the example's 1e-3
+a loss spike at step 2 makes the run chaotic: 1e-7 apart after one update, 1e-3 after four) and
+gradient clipping off: DeepSpeed's pipeline engine counts only the first stage's gradients in the
+norm it clips by (``clip_grad_norm_`` keeps model-parallel rank 0's, and the pipeline's stages are
+its model-parallel group), where zfunc clips by the whole model's norm, as torch does.
+
+DeepSpeedExamples' CIFAR-10 script (``training/cifar``: ``init_distributed``,
+``get_accelerator().set_device``, its config's Adam, WarmupLR, clipping and ZeRO stage, the
+engine's loader of ``training_data``, ``deepspeed.moe.utils`` imported, an evaluation with
+``engine.eval()``), fp32: the losses equal to 1e-5 and the same accuracy lines. It never seeds, so
+ds_launch.py seeds torch first for both runs.
+
+DeepSpeed-Chat, not run: ZeRO-3 (transformers' ``resize_token_embeddings`` under ZeRO-3 hands
 ``GatheredParameters`` the lm head's missing bias, ``None``, which DeepSpeed skips and
 zfunc.deepspeed.zero refuses), ``--offload`` (the script's config names ``offload_param`` at every
 stage, which DeepSpeed ignores below ZeRO-3 and zfunc's parser refuses), and ZeRO-0 (DeepSpeed's
@@ -21,6 +37,7 @@ bf16 without ZeRO takes its fp16 optimizer's path, whose losses differ from its 
 All in the slow tier: each case is two launches of W processes importing transformers and
 DeepSpeed or zfunc (30-70 s each here).
 """
+import json
 import math
 import os
 import re
@@ -31,7 +48,8 @@ import torch
 from ds_scripts import SCRIPTS, launch, tiny_opt
 
 CHAT = os.path.join(SCRIPTS, "deepspeed_chat")
-NUMBER = re.compile(r"-?\d+\.\d+(?:e[-+]\d+)?")
+PIPELINE = os.path.join(SCRIPTS, "pipeline_parallelism", "train.py")
+CIFAR = os.path.join(SCRIPTS, "cifar10", "cifar10_deepspeed.py")
 
 
 def chat_args(folder, model: str, stage: int) -> list[str]:
@@ -42,8 +60,9 @@ def chat_args(folder, model: str, stage: int) -> list[str]:
 
 
 def evaluations(lines: list[str]) -> list[tuple[float, float]]:
-    """DeepSpeed-Chat's ``ppl: P, loss: L`` lines (before and after the epoch)."""
-    return [tuple(float(x) for x in NUMBER.findall(line)) for line in lines if line.startswith("ppl:")]
+    """DeepSpeed-Chat's ``ppl: P, loss: L`` (before and after the epoch; found in the whole stream,
+    where another rank's line may run into rank 0's)."""
+    return [(float(p), float(loss)) for p, loss in re.findall(r"ppl: (\S+), loss: (\d+\.\d+)", "\n".join(lines))]
 
 
 @pytest.mark.slow
@@ -64,4 +83,42 @@ def test_deepspeed_chat_step1_sft_matches_deepspeed(world, stage, tmp_path):
     assert len(ev) == len(tv) == 2
     assert ev[0] == tv[0]  # the evaluation before training: the same weights
     torch.testing.assert_close(torch.tensor(ev[1]), torch.tensor(tv[1]), rtol=2e-3, atol=0)
-    assert sum("Model Parameters:" in line for line in ours_out) == len(ours[0])  # print_throughput ran each step
+    assert "\n".join(ours_out).count("Model Parameters:") == len(ours[0])  # print_throughput ran each step
+
+
+def pipeline_config(folder) -> str:
+    """The example's ds_config.json with a smaller batch, lr 1e-4 and clipping off (the module docstring)."""
+    path = os.path.join(folder, "ds_config.json")
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+                   "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8}},
+                   "steps_per_print": 10, "wall_clock_breakdown": False}, f)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, stages", [(2, 2), (1, 0), (2, 0)], ids=["W2-pipe2", "W1-data", "W2-data"])
+def test_deepspeed_examples_pipeline_script_matches_deepspeed(world, stages, tmp_path):
+    args = ["--deepspeed_config", pipeline_config(str(tmp_path)), "-p", str(stages), "--steps", "8",
+            "--backend", "gloo"]
+    _, theirs = launch(PIPELINE, args, world, str(tmp_path / "deepspeed"), zfunc=False)
+    _, ours = launch(PIPELINE, args, world, str(tmp_path / "zfunc"), zfunc=True)
+    per_step = 1 if stages else 16 // (4 * world)  # train_batch's mean, or each micro-batch's backward
+    for rank in range(world):
+        assert len(ours[rank]) == len(theirs[rank]) == 8 * per_step
+        torch.testing.assert_close(torch.tensor(ours[rank]), torch.tensor(theirs[rank]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 1), (2, 2)], ids=["W1-zero0", "W2-zero1", "W2-zero2"])
+def test_deepspeed_examples_cifar_script_matches_deepspeed(world, stage, tmp_path):
+    args = ["--dtype", "fp32", "--stage", str(stage), "--epochs", "2", "--log-interval", "2"]
+    theirs_out, theirs = launch(CIFAR, args, world, str(tmp_path / "deepspeed"), zfunc=False)
+    ours_out, ours = launch(CIFAR, args, world, str(tmp_path / "zfunc"), zfunc=True)
+    for rank in range(world):
+        assert len(ours[rank]) == len(theirs[rank]) == 2 * 128 // 16
+        torch.testing.assert_close(torch.tensor(ours[rank]), torch.tensor(theirs[rank]), rtol=1e-5, atol=0)
+    # rank 0 prints them; every rank prints "Finished Training" to the same stream, which may run into them
+    accuracy = re.findall(r"Accuracy of [^%]*%", "\n".join(ours_out))
+    assert len(accuracy) == 11 and accuracy == re.findall(r"Accuracy of [^%]*%", "\n".join(theirs_out))

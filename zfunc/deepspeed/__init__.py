@@ -12,7 +12,7 @@ start (_zfunc_as_deepspeed). docs/deepspeed.md says what each name does here and
 """
 from _zfunc_as_deepspeed import install, installed, uninstall, version as _version
 
-from . import accelerator, checkpoint, comm, compression, launcher, ops, pipe, runtime, utils, zero
+from . import accelerator, checkpoint, comm, compression, launcher, moe, ops, pipe, runtime, utils, zero
 from ..engine import RepeatingLoader
 from ..pipeline import PipelineEngine
 from .accelerator import get_accelerator
@@ -31,7 +31,7 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __ver
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "PipelineEngine", "PipelineModule",
            "RepeatingLoader", "__version__", "accelerator", "add_config_arguments", "checkpoint", "checkpointing",
            "comm", "compression", "get_accelerator", "init_distributed", "init_inference", "initialize", "install",
-           "installed", "launcher", "log_dist", "logger", "ops", "pipe", "runtime", "uninstall", "utils", "zero"]
+           "installed", "launcher", "log_dist", "logger", "moe", "ops", "pipe", "runtime", "uninstall", "utils", "zero"]
 
 
 def init_inference(*args, **kwargs):

@@ -5,9 +5,15 @@
 are zfunc's. What zfunc's pipeline lacks is refused, named: a ``topology`` (pipeline x data
 parallel is the world split by ``num_stages``; no tensor parallelism), activation checkpointing
 of the layers (``activation_checkpoint_interval`` > 0), per-layer seeds (``seed_layers``).
+
+As DeepSpeed's, it builds this rank's stage when constructed in a process group (a ``LayerSpec``'s
+layer is made then, drawing from the RNG where DeepSpeed's draws), and ``parameters()`` /
+``named_parameters()`` are that stage's (what scripts pass as ``model_parameters``); the engine
+trains that same stage.
 """
 from __future__ import annotations
 
+from .. import dist
 from ..pipeline import LayerSpec, TiedLayerSpec
 from ..pipeline import PipelineModule as _Pipeline
 
@@ -39,3 +45,26 @@ class PipelineModule(_Pipeline):
             raise NotImplementedError("PipelineModule(loss_fn=None): zfunc's pipeline trains on the loss the last "
                                       "stage computes; give loss_fn (e.g. torch.nn.CrossEntropyLoss())")
         super().__init__(layers, num_stages, loss_fn, partition_method=partition_method)
+        self._stage = None
+        if dist.is_initialized():
+            world = dist.world_size()
+            if world % num_stages == 0:  # else the engine's grid refuses it, naming both
+                self._stage = super().build(dist.rank() // (world // num_stages))
+
+    def build(self, stage: int):
+        """This rank's stage as built at construction; another stage (or none built), built now."""
+        if self._stage is not None and self._stage.stage == stage:
+            return self._stage
+        return super().build(stage)
+
+    def _own(self):
+        if self._stage is None:
+            raise RuntimeError("PipelineModule.parameters(): this rank's stage is built in a process group; call "
+                               "deepspeed.init_distributed() before building the PipelineModule, as in DeepSpeed")
+        return self._stage
+
+    def parameters(self, recurse: bool = True):
+        return self._own().parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self._own().named_parameters(*args, **kwargs)
