@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import dist
+from ..engine import RepeatingLoader
 from ..engine.handles import LiveLr, OptimizerHandle, SchedulerHandle
 from ..optim import Optimizer, lr as lr_schedules
 from ..initialization import config_for, engine_for
@@ -56,7 +57,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         args.local_rank = int(os.environ.get("LOCAL_RANK", dist.rank()))
     cfg = config_for(model, raw)
     if isinstance(model, PipelineModule):
-        return _pipeline(model, cfg, optimizer, lr_scheduler, training_data)
+        return _pipeline(model, cfg, optimizer, lr_scheduler, training_data, collate_fn)
     zopt, schedule, scheduler_kind, groups, group_schedules = _optimizer_and_schedule(
         cfg, model, optimizer, model_parameters, lr_scheduler)
     if zopt is not None and cfg.optimizer is not None:  # DeepSpeed: the script's optimizer over the config's
@@ -217,14 +218,18 @@ class _ConfigScheduler:
 # ------------------------------------------------------------------------------ pipeline
 
 
-def _pipeline(model, cfg, optimizer, lr_scheduler, training_data):
+def _pipeline(model, cfg, optimizer, lr_scheduler, training_data, collate_fn):
     if optimizer is not None or lr_scheduler is not None:
         raise NotImplementedError("a client optimizer or lr_scheduler with a PipelineModule is not supported yet: "
                                   "give them in the config")
-    if training_data is not None:
-        raise NotImplementedError("training_data with a PipelineModule is not supported yet: pass "
-                                  "engine.train_batch(data_iter) an iterator")
     engine = engine_for(model, cfg)
     engine.optimizer = OptimizerHandle(engine)
     engine.lr_scheduler = SchedulerHandle(engine) if engine.lr_schedule is not None else None
-    return engine, engine.optimizer, None, engine.lr_scheduler
+    engine.training_dataloader = None
+    if training_data is not None:  # as DeepSpeed's pipeline engine: in order, each replica its share, repeating
+        loader = DataLoader(training_data, cfg.micro_batch_size, rank=engine.grid.replica, world=engine.grid.replicas,
+                            collate_fn=collate_fn, drop_last=bool(cfg.raw.get("dataloader_drop_last", False)),
+                            shuffle=False)
+        engine.set_dataloader(RepeatingLoader(loader))
+    engine.tput_timer = ThroughputTimer(engine)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
