@@ -17,6 +17,7 @@ from torch import nn
 
 import _zfunc_as_deepspeed as switch
 import zfunc.deepspeed as zds
+from workers import workers
 
 SNIPPET_ON = r"""
 import importlib.metadata as md, importlib.util, sys
@@ -279,3 +280,33 @@ def test_lr_schedulers_set_deepspeeds_values_at_every_step(name, kw):
         assert ours.state_dict() == theirs.state_dict()
         ours.step()
         theirs.step()
+
+
+# ------------------------------------------------------------------------ deepspeed.comm
+
+
+def _collectives() -> list:
+    comm, rank = zds.comm, zds.comm.get_rank()
+    t = torch.tensor([1.0, 2.0]) * (rank + 1)
+    comm.all_reduce(t, op=comm.ReduceOp.SUM, log_name="x")
+    b = torch.full((2,), float(rank))
+    comm.broadcast(b, 1)
+    parts = [torch.zeros(2) for _ in range(comm.get_world_size())]
+    comm.all_gather(parts, torch.full((2,), float(rank)))
+    flat = torch.zeros(2 * comm.get_world_size())
+    comm.all_gather_into_tensor(flat, torch.full((2,), float(rank)))
+    mine = torch.zeros(1)
+    comm.reduce_scatter_tensor(mine, torch.arange(float(comm.get_world_size())) + rank)
+    return [t.tolist(), b.tolist(), [p.tolist() for p in parts], flat.tolist(), mine.tolist()]
+
+
+def test_the_scripts_own_collectives_are_torchs():
+    out = workers(2).run(_collectives)
+    assert out[0][:4] == out[1][:4] == [[3.0, 6.0], [1.0, 1.0], [[0.0, 0.0], [1.0, 1.0]], [0.0, 0.0, 1.0, 1.0]]
+    assert [o[4] for o in out] == [[1.0], [3.0]]  # element r of (arange(2) + rank) summed over the ranks
+
+
+def test_collectives_without_a_group_act_as_one_rank():
+    if torch.distributed.is_initialized():
+        pytest.skip("this process has a group")
+    assert _collectives() == [[1.0, 2.0], [0.0, 0.0], [[0.0, 0.0]], [0.0, 0.0], [0.0]]
