@@ -4,12 +4,16 @@ real DeepSpeed 0.19 (CPU accelerator, gloo) in the same environment, launched by
 
 - an ordinary Accelerate loop with its DeepSpeed plugin (``prepare``, ``accumulate``,
   ``backward``, ``optimizer.step()``, ``scheduler.step()``, ``unwrap_model``, ``get_state_dict``,
-  ``save_state`` / ``load_state``), ZeRO-2 and ZeRO-3, at W = 1 and 2.
+  ``save_state`` / ``load_state``), ZeRO-2 and ZeRO-3, at W = 1 and 2;
+- TRL's ``SFTTrainer`` (``SFTConfig(deepspeed=...)``, a text data set it tokenizes) under ZeRO-2 at
+  W = 1 and 2; under ZeRO-3 its fused LM head is refused at initialize, by name.
 
 The launches are slow (two torchrun runs a case); the fast test here checks in one process the
 one thing Accelerate's loop asks of the engine that the Trainer does not: its scheduler is built
 on the script's optimizer before ``prepare``, not on the optimizer ``initialize`` returns."""
 import copy
+import functools
+import types
 
 import pytest
 import torch
@@ -72,6 +76,24 @@ def test_a_scheduler_built_on_the_scripts_optimizer_before_initialize_sets_the_l
     engine.close()
 
 
+def _fused_lm_head_forward(model):
+    """The shape of TRL's patched forward (``trl.add_fused_lm_head``): the instance's own, wrapping the
+    class's signature, with a keyword ``fused_lm_head``."""
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, **kwargs):
+        return type(model).forward(self, *args, **kwargs)
+    model.forward = types.MethodType(forward, model)
+    return model
+
+
+def test_trls_fused_lm_head_is_refused_under_zero3_only():
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    with pytest.raises(NotImplementedError, match="fused LM head.*ZeRO-3.*ZeRO-2"):
+        zds.initialize(model=_fused_lm_head_forward(Net()), config={**config, "zero_optimization": {"stage": 3}})
+    engine, *_ = zds.initialize(model=_fused_lm_head_forward(Net()), config={**config, "zero_optimization": {"stage": 2}})
+    engine.close()
+
+
 # ------------------------------------------------------------------ against real DeepSpeed
 
 
@@ -122,3 +144,46 @@ def test_accelerate_loop(tmp_path, model_folder, stage, world):
     _same(ours, theirs, keys=("losses", "lrs"))
     assert {r["unwrapped"] for r in ours + theirs} == {"LlamaForCausalLM"}
     _same_state_dicts(tmp_path)
+
+
+@pytest.mark.slow
+def test_accelerate_loop_save_state_and_load_state(tmp_path, model_folder):
+    """ZeRO-3 at W = 2: ``save_state`` after two updates, two more, then ``load_state`` and the last two
+    again: the same losses as the first time, and as DeepSpeed's."""
+    case = {"model": model_folder, "config": _config(3), "steps": 4, "resume_at": 2}
+    ours, theirs = _both(tmp_path, "accelerate", 2, case)
+    _same(ours, theirs, keys=("losses", "resumed"))
+    for r in ours:
+        torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["losses"][2:]), **FP32)
+
+
+@pytest.mark.slow
+def test_accelerate_loop_accumulating_with_the_configs_optimizer(tmp_path, model_folder):
+    """ZeRO-3 at W = 2, ``accumulate`` over two micro-batches (the plugin's ``gradient_accumulation_steps``),
+    the config's AdamW and WarmupDecayLR through ``DummyOptim`` / ``DummyScheduler``."""
+    config = _config(3, optimizer={"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                               "betas": [0.9, 0.999], "eps": 1e-8}},
+                     scheduler={"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                   "warmup_num_steps": "auto",
+                                                                   "total_num_steps": "auto"}})
+    ours, theirs = _both(tmp_path, "accelerate", 2, {"model": model_folder, "config": config, "gas": 2, "steps": 3})
+    _same(ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_trl_sft_trainer_zero2(tmp_path, model_folder, world):
+    """TRL's SFTTrainer tokenizing a text data set itself, ZeRO-2 with two micro-batches an update:
+    losses, the logged gradient norms, lrs and TRL's mean token accuracy equal DeepSpeed's."""
+    case = {"model": model_folder, "config": hf_trainer.ds_config(2), "gas": 2, "steps": 3}
+    ours, theirs = _both(tmp_path, "trl", world, case)
+    _same(ours, theirs, keys=("losses", "grad_norm", "learning_rate", "mean_token_accuracy"))
+
+
+@pytest.mark.slow
+def test_trl_sft_trainer_zero3_is_refused(tmp_path, model_folder):
+    """Under ZeRO-3 TRL's fused LM head asks its saved weight for ``ds_status`` in the backward: zfunc
+    refuses it at initialize, naming it (real DeepSpeed trains it)."""
+    case = {"model": model_folder, "config": hf_trainer.ds_config(3), "steps": 1}
+    with pytest.raises(AssertionError, match="fused LM head"):
+        ds_clients.run("zfunc", "trl", case, str(tmp_path / "zfunc"), 1)

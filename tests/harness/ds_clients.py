@@ -34,7 +34,7 @@ def _model(folder: str, seen: dict):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
     def record(module, args, kwargs, output):
-        if module.training and torch.is_grad_enabled() and getattr(output, "loss", None) is not None:
+        if torch.is_grad_enabled() and getattr(output, "loss", None) is not None:
             seen["losses"].append(float(output.loss.detach().float()))
     model.register_forward_hook(record, with_kwargs=True)
     return model
@@ -100,9 +100,138 @@ def accelerate_loop(case: dict, out: str, seen: dict) -> None:
     accelerator.wait_for_everyone()
 
 
+# ----------------------------------------------------------------------------- TRL
+
+
+def tokenizer():
+    """A word-level tokenizer over ``w0`` ... ``w92`` and three specials (96 ids: the tiny Llama's
+    vocabulary), built here: nothing is downloaded."""
+    import tokenizers
+    import transformers
+    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(hf_trainer.LLAMA["vocab_size"] - 3)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                unk_token="<unk>")
+
+
+def texts(n: int = 64, length: int = 15) -> list[str]:
+    """``n`` random sentences of ``length`` words (seed 1), as a text data set holds them."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, hf_trainer.LLAMA["vocab_size"] - 3, (n, length), generator=g)
+    return [" ".join(f"w{i}" for i in row.tolist()) for row in ids]
+
+
+def trl_sft(case: dict, out: str, seen: dict) -> None:
+    """TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed=...)`` on a text data set
+    (``datasets.Dataset.from_dict``) that TRL tokenizes itself; the Trainer's logged ``grad_norm``,
+    ``learning_rate`` and TRL's ``mean_token_accuracy`` per step."""
+    import datasets
+    import trl
+
+    model = _model(case["model"], seen)
+    bf16 = case.get("bf16", False)
+    args = trl.SFTConfig(
+        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 4), learning_rate=LR,
+        warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        bf16=bf16, max_length=32, packing=False, dataset_num_proc=None, **hf_trainer.cpu_processes(bf16))
+    trainer = trl.SFTTrainer(model=model, args=args, processing_class=tokenizer(),
+                             train_dataset=datasets.Dataset.from_dict({"text": texts()}))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    for key in ("grad_norm", "learning_rate", "mean_token_accuracy"):
+        seen[key] = [h[key] for h in logs]
+
+
+# ----------------------------------------------------------------------------- Lightning
+
+
+def cpu_as_cuda():
+    """Lightning's ``DeepSpeedStrategy`` refuses any accelerator that is not its ``CUDAAccelerator``
+    ("The DeepSpeed strategy is only supported on CUDA GPUs", in ``setup_environment``), for real
+    DeepSpeed and zfunc alike. On a machine without GPUs this accelerator passes that check and
+    places everything on the CPU (each rank's device ``cpu``, so the process group is gloo); the
+    strategy, the precision plugin and the loop are Lightning's own, unchanged."""
+    import torch
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    class CPUAsCUDA(CUDAAccelerator):
+        def setup_device(self, device):
+            pass
+
+        def setup(self, trainer):
+            pass
+
+        def get_device_stats(self, device):
+            return {}
+
+        def teardown(self):
+            pass
+
+        @staticmethod
+        def parse_devices(devices):
+            return int(devices)
+
+        @staticmethod
+        def get_parallel_devices(devices):
+            return [torch.device("cpu", k) for k in range(int(devices))]  # indexed: the strategy checks them
+
+        @staticmethod
+        def auto_device_count():
+            return 1
+
+        @staticmethod
+        def is_available():
+            return True
+
+    return CPUAsCUDA()
+
+
+def lightning_fit(case: dict, out: str, seen: dict) -> None:
+    """Lightning's ``Trainer(strategy=DeepSpeedStrategy(config=...))`` fitting a ``LightningModule``
+    around the tiny Llama: AdamW and transformers' linear warmup scheduler from
+    ``configure_optimizers`` (stepped by Lightning every step), ``accumulate_grad_batches``,
+    ``gradient_clip_val``."""
+    import lightning.pytorch as pl
+    import torch
+    import transformers
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    steps, world = case.get("steps", 4), int(os.environ.get("WORLD_SIZE", 1))
+
+    class Lit(pl.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, index):
+            return self.model(**batch).loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+            scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 1, steps)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    pl.seed_everything(0)
+    module = Lit(_model(case["model"], seen))
+    loader = torch.utils.data.DataLoader(hf_trainer.Tokens(), batch_size=BATCH, shuffle=True,
+                                         generator=torch.Generator().manual_seed(2))
+    accelerator = cpu_as_cuda() if not torch.cuda.is_available() else "gpu"
+    trainer = pl.Trainer(accelerator=accelerator, devices=world, num_nodes=1,
+                         strategy=DeepSpeedStrategy(config=case["config"]), precision="32-true", max_steps=steps,
+                         accumulate_grad_batches=case.get("gas", 1), gradient_clip_val=1.0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out)
+    trainer.fit(module, loader)
+    seen["lrs"] = [float(trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])]
+
+
 # ----------------------------------------------------------------------------- the launch
 
-CLIENTS = {"accelerate": accelerate_loop}
+CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "lightning": lightning_fit}
 
 
 def main() -> None:
