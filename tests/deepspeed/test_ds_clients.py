@@ -6,11 +6,15 @@ real DeepSpeed 0.19 (CPU accelerator, gloo) in the same environment, launched by
   ``backward``, ``optimizer.step()``, ``scheduler.step()``, ``unwrap_model``, ``get_state_dict``,
   ``save_state`` / ``load_state``), ZeRO-2 and ZeRO-3, at W = 1 and 2;
 - TRL's ``SFTTrainer`` (``SFTConfig(deepspeed=...)``, a text data set it tokenizes) under ZeRO-2 at
-  W = 1 and 2; under ZeRO-3 its fused LM head is refused at initialize, by name.
+  W = 1 and 2; under ZeRO-3 its fused LM head is refused at initialize, by name;
+- Lightning's ``DeepSpeedStrategy`` (ZeRO-2 at W = 1 and 2, ZeRO-3 at W = 2, with
+  ``accumulate_grad_batches``), on the CPU through an accelerator that passes its CUDA-only check.
 
-The launches are slow (two torchrun runs a case); the fast test here checks in one process the
-one thing Accelerate's loop asks of the engine that the Trainer does not: its scheduler is built
-on the script's optimizer before ``prepare``, not on the optimizer ``initialize`` returns."""
+The launches are slow (two torchrun runs a case); the fast tests check in one process what these
+clients ask of the engine that the Trainer does not: Accelerate's scheduler built on the script's
+optimizer before ``prepare``; TRL's fused LM head refused under ZeRO-3; Lightning's scheduler taken
+from the engine and stepped by it, ``optimizer.state``, ``model.cpu()`` at teardown and
+``deepspeed.utils.logging.logger``."""
 import copy
 import functools
 import types
@@ -92,6 +96,54 @@ def test_trls_fused_lm_head_is_refused_under_zero3_only():
         zds.initialize(model=_fused_lm_head_forward(Net()), config={**config, "zero_optimization": {"stage": 3}})
     engine, *_ = zds.initialize(model=_fused_lm_head_forward(Net()), config={**config, "zero_optimization": {"stage": 2}})
     engine.close()
+
+
+def _lightning_step(engine, scheduler, x, y, steps_per_update=1):
+    """Lightning's DeepSpeed strategy: ``engine.backward``, ``engine.step()``, then the scheduler it
+    took from the engine stepped ``steps_per_update`` times (once with ``interval="step"``)."""
+    engine.backward(engine(x, y))
+    engine.step()
+    for _ in range(steps_per_update):
+        scheduler.step()
+
+
+def test_what_lightnings_deepspeed_strategy_does_with_the_engine():
+    """The scheduler taken from the engine (``engine.lr_scheduler = None``) and stepped once per
+    update trains as plain torch; stepped otherwise (an "epoch" interval) it is refused by name;
+    ``optimizer.state`` is an empty mapping (its teardown walks it); ``model.cpu()`` after the fit
+    leaves the engine's weights in place, a dtype cast is refused; ``deepspeed.utils.logging.logger``."""
+    model = Net()
+    reference = copy.deepcopy(model)
+    lam = lambda k: [0.0, 1.0, 0.5, 0.25, 0.125][min(k, 4)]  # noqa: E731
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
+    engine, returned, _, _ = zds.initialize(model=model, optimizer=optimizer, config=config,
+                                            lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lam))
+    scheduler, engine.lr_scheduler = engine.lr_scheduler, None
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lam)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+    for x, y in data[:3]:
+        _lightning_step(engine, scheduler, x, y)
+        ref_opt.zero_grad()
+        reference(x, y).backward()
+        ref_opt.step()
+        ref_sched.step()
+    for name, t in reference.named_parameters():
+        torch.testing.assert_close(engine.params()[name], t.detach(), **FP32)
+    with pytest.raises(NotImplementedError, match="interval='step'"):
+        _lightning_step(engine, scheduler, *data[3], steps_per_update=2)
+    assert dict(returned.state) == {}
+    before = {n: t.clone() for n, t in engine.params().items()}
+    assert model.cpu() is model
+    for name, t in engine.params().items():
+        torch.testing.assert_close(t, before[name], rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="bf16"):
+        model.half()
+    engine.close()
+    from zfunc.deepspeed.utils import logging
+    assert logging.logger.name == "DeepSpeed"
 
 
 # ------------------------------------------------------------------ against real DeepSpeed
@@ -187,3 +239,30 @@ def test_trl_sft_trainer_zero3_is_refused(tmp_path, model_folder):
     case = {"model": model_folder, "config": hf_trainer.ds_config(3), "steps": 1}
     with pytest.raises(AssertionError, match="fused LM head"):
         ds_clients.run("zfunc", "trl", case, str(tmp_path / "zfunc"), 1)
+
+
+def _lightning_config(stage: int) -> dict:
+    """What a Lightning user gives ``DeepSpeedStrategy(config=...)``: the optimizer and scheduler come
+    from ``configure_optimizers``."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 2,
+            "zero_allow_untested_optimizer": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, world, gas", [(2, 1, 1), (2, 2, 2), (3, 2, 2)])
+def test_lightning_deepspeed_strategy(tmp_path, model_folder, stage, world, gas):
+    """Lightning's DeepSpeedStrategy fitting a LightningModule (AdamW, a per-step warmup scheduler,
+    ``accumulate_grad_batches``, ``gradient_clip_val``) on the CPU through ``cpu_as_cuda()`` (its
+    strategy refuses any but its CUDA accelerator): every loss equal to DeepSpeed's."""
+    case = {"model": model_folder, "config": _lightning_config(stage), "gas": gas, "steps": 3}
+    ours, theirs = _both(tmp_path, "lightning", world, case)
+    _same(ours, theirs, keys=("losses", "lrs"))
+
+
+@pytest.mark.slow
+def test_lightning_refuses_deepspeed_on_its_cpu_accelerator(tmp_path, model_folder):
+    """Why the test above needs ``cpu_as_cuda()``: Lightning itself refuses its DeepSpeed strategy on
+    its CPU accelerator, with real DeepSpeed (zfunc is refused the same way)."""
+    case = {"model": model_folder, "config": _lightning_config(2), "steps": 1, "cpu_accelerator": True}
+    with pytest.raises(AssertionError, match="only supported on CUDA GPUs"):
+        ds_clients.run("deepspeed", "lightning", case, str(tmp_path / "deepspeed"), 1)

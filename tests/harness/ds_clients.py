@@ -194,7 +194,8 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
     """Lightning's ``Trainer(strategy=DeepSpeedStrategy(config=...))`` fitting a ``LightningModule``
     around the tiny Llama: AdamW and transformers' linear warmup scheduler from
     ``configure_optimizers`` (stepped by Lightning every step), ``accumulate_grad_batches``,
-    ``gradient_clip_val``."""
+    ``gradient_clip_val``. On the CPU through ``cpu_as_cuda()``; ``cpu_accelerator``: Lightning's own
+    ``"cpu"`` accelerator (which its DeepSpeed strategy refuses)."""
     import lightning.pytorch as pl
     import torch
     import transformers
@@ -219,7 +220,7 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
     module = Lit(_model(case["model"], seen))
     loader = torch.utils.data.DataLoader(hf_trainer.Tokens(), batch_size=BATCH, shuffle=True,
                                          generator=torch.Generator().manual_seed(2))
-    accelerator = cpu_as_cuda() if not torch.cuda.is_available() else "gpu"
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu" if case.get("cpu_accelerator") else cpu_as_cuda()
     trainer = pl.Trainer(accelerator=accelerator, devices=world, num_nodes=1,
                          strategy=DeepSpeedStrategy(config=case["config"]), precision="32-true", max_steps=steps,
                          accumulate_grad_batches=case.get("gas", 1), gradient_clip_val=1.0, logger=False,

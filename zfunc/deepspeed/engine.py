@@ -130,6 +130,33 @@ def _bind_outside_steps(engine: DeepSpeedEngine, model: nn.Module) -> None:
             return original_state_dict(*args, **kwargs)
 
     model.state_dict = state_dict
+    original_apply = model._apply
+
+    @functools.wraps(original_apply)
+    def _apply(fn, *args, **kwargs):
+        return _moved_around_stand_ins(model, original_apply, fn, *args, **kwargs)
+
+    model._apply = _apply
+
+
+def _moved_around_stand_ins(model: nn.Module, original_apply, fn, *args, **kwargs):
+    """``model.cpu()`` / ``.to(device)`` after ``initialize`` (Lightning's teardown moves the module to
+    the CPU): the weights are the engine's state, so the stand-ins stay as they are and the rest
+    (buffers) moves. A cast of the weights' dtype is refused: the config's ``bf16`` / ``fp16``
+    decide it."""
+    held = [(m, name, p) for m in model.modules() for name, p in m._parameters.items() if lazy.is_lazy(p)]
+    for m, name, p in held:
+        if fn(torch.empty(0, dtype=p.dtype)).dtype != p.dtype:
+            raise NotImplementedError(f"casting the model's parameters ({name}: {p.dtype}) after deepspeed.initialize "
+                                      "is not supported: the engine holds the weights; set the dtype with the config's "
+                                      "'bf16' / 'fp16' sections")
+    for m, name, _ in held:
+        m._parameters[name] = None
+    try:
+        return original_apply(fn, *args, **kwargs)
+    finally:
+        for m, name, p in held:
+            m._parameters[name] = p
 
 
 class _Gathered:

@@ -11,6 +11,8 @@ rather than silently ignored.
 """
 from __future__ import annotations
 
+import types
+
 from ..optim.reported_lr import update_count
 
 
@@ -57,6 +59,13 @@ class OptimizerHandle:
         raise AttributeError("engine.optimizer.parameter_offload: zfunc's ZeRO-3 has no module hooks to remove "
                              "for generation; generate with engine.module.generate(...) or zf.bind(state, model), "
                              "which gather one unit at a time")
+
+    @property
+    def state(self):
+        """A torch optimizer's per-parameter state: empty and read-only here. zfunc's moments are the
+        engine's state's shards (``engine.save_checkpoint`` writes them), in no per-parameter dict;
+        Lightning's teardown walks this to move each tensor to the CPU, and finds nothing to move."""
+        return types.MappingProxyType({})
 
     @property
     def overflow(self) -> bool:
@@ -120,6 +129,7 @@ class SchedulerHandle:
     def __init__(self, engine, kind: str = "deepspeed"):
         self._engine = engine
         self.kind = kind
+        self._steps = 0  # step() calls made once the script took the scheduler from the engine
 
     @property
     def _updates(self) -> int:
@@ -142,6 +152,19 @@ class SchedulerHandle:
         return self._engine.get_lr()
 
     def step(self, *args, **kwargs):
+        """Refused while the engine holds this scheduler (it advances with each update). A script that
+        took it from the engine (``engine.lr_scheduler = None``, as Lightning's DeepSpeed strategy
+        does) steps it itself: accepted when its n-th ``step()`` comes after the n-th update (once
+        per update, Lightning's ``interval="step"``), which is the schedule zfunc already follows."""
+        if self._engine.lr_scheduler is not self and not args and not kwargs:
+            self._steps += 1
+            if self._steps == self._updates:
+                return
+            raise NotImplementedError(
+                f"lr_scheduler.step() number {self._steps} after {self._updates} optimizer updates: zfunc's lr "
+                "follows the update count, so a scheduler taken from the engine must be stepped once after each "
+                "update (Lightning: return the scheduler from configure_optimizers with interval='step' and "
+                "frequency 1; an 'epoch' interval is not supported)")
         raise NotImplementedError(
             "lr_scheduler.step(): the engine steps the schedule at each update (as DeepSpeed's engine does for "
             "the scheduler it was given); stepping it again yourself is not supported")

@@ -1,6 +1,7 @@
 """``deepspeed.utils``: DeepSpeed's utilities that scripts and transformers import.
 
-- ``logger``, ``log_dist``: a logger named ``DeepSpeed``, and logging from chosen ranks;
+- ``logger``, ``log_dist`` (``deepspeed.utils.logging``, whose ``logger`` Lightning sets the level
+  of): a logger named ``DeepSpeed``, and logging from chosen ranks;
 - ``RepeatingLoader``: zfunc's; ``timer.ThroughputTimer``: the engine's ``tput_timer``;
 - ``safe_get_full_fp32_param(param)`` / ``safe_set_full_fp32_param(param, value)``: a parameter's
   full fp32 value read from, or written into, the engine's state through
@@ -17,38 +18,19 @@ them with ``zf.gather_params`` / a checkpoint), ``groups`` (expert and sequence 
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from ... import dist
 from ...engine import RepeatingLoader
 from ..compression.helper import recursive_getattr, recursive_setattr
 from ..zero import GatheredParameters
-from . import timer
+from . import logging, timer
+from .logging import log_dist, logger
 
 __all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "recursive_getattr", "recursive_setattr",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
            "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state", "set_z3_leaf_modules",
            "unset_z3_leaf_modules", "z3_leaf_module"]
-
-logger = logging.getLogger("DeepSpeed")
-if not logger.handlers:
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
-                                            "%(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
-    """Log ``message`` on the ranks in ``ranks`` (all with None or -1 among them)."""
-    rank = dist.rank()
-    if ranks is None or -1 in ranks or rank in ranks:
-        logger.log(level, f"[Rank {rank}] {message}")
-
 
 # ----------------------------------------------------------------- parameters
 
