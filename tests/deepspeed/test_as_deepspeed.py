@@ -233,6 +233,14 @@ def test_full_fp32_params_read_and_written_through_the_engine():
     torch.testing.assert_close(engine.params()["0.weight"], torch.full((4, 3), 0.25))
 
 
+def test_process_groups_as_deepspeeds_clients_read_them():
+    groups = zds.utils.groups
+    assert groups._get_data_parallel_world_size() == 1 and groups._get_data_parallel_rank() == 0
+    assert groups._get_sequence_parallel_world_size() == 1 and groups._get_model_parallel_world_size() == 1
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        groups._get_sequence_parallel_group()
+
+
 def test_the_config_object_reads_as_deepspeeds():
     cfg = zds.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
                                "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})

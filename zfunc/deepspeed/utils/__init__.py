@@ -14,7 +14,8 @@
 
 Refused, named: ``safe_get_full_grad`` / ``safe_get_full_optimizer_state`` and their ``set`` and
 ``local`` forms (zfunc's gradients live inside the step, its moments in the state's shards; read
-them with ``zf.gather_params`` / a checkpoint), ``groups`` (expert and sequence parallel groups).
+them with ``zf.gather_params`` / a checkpoint). ``groups``: the data-parallel group is the world's;
+sequence-parallel and expert groups are refused.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 from ...engine import RepeatingLoader
 from ..compression.helper import recursive_getattr, recursive_setattr
 from ..zero import GatheredParameters
-from . import logging, timer
+from . import groups, logging, timer
 from .logging import log_dist, logger
 
 __all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "recursive_getattr", "recursive_setattr",
