@@ -174,12 +174,13 @@ class Materialize(torch.autograd.Function):
         flat = buffers.take(unit.full_numel, unit.grad_dtype(), unit.device)
         offset = 0
         for entry, g in zip(unit.segment.entries, grads):
-            dst = flat[offset : offset + entry.numel]
+            flat[offset : entry.offset].zero_()  # a gap of an owner layout (zfunc.tree._segment)
+            dst = flat[entry.offset : entry.offset + entry.numel]
             if g is None:
                 dst.zero_()
             else:
                 dst.view(entry.shape).copy_(g)
-            offset += entry.numel
+            offset = entry.offset + entry.numel
         flat[offset:].zero_()
         return unit.reduce(flat), None
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from . import compiled, dist, layout, lazy
 from .buffers import use_large_blocks
+from .optim.whole import whole_params
 from .state import State
 from .tree import Params, ParamsSpec, build_spec
 from .unit_init import device_of_model, is_meta_model, unit_buffers
@@ -41,7 +42,7 @@ def _build(step, model: nn.Module, homes: list, *, free_model, init_fn, device, 
     use_large_blocks()  # from here on, large CPU temporaries are reused, not left in malloc's heap
     group = step.group
     w, r = dist.world_size(group), dist.rank(group)
-    spec = build_spec(model, step.units, w)
+    spec = build_spec(model, step.units, w, whole=whole_params(step.optimizer))  # owners: zfunc.optim.owners
     places = tuple(step.placement(u, spec) for u in spec.units)
     device = _device(model, device, group)
     dist.set_compute_device(group, device)  # units read from host memory or disk are computed there

@@ -57,10 +57,18 @@ class Segment:
         full-size zero-filled tensor per entry as slicing would give."""
         if not self.entries:
             return {}
-        sizes = [e.numel for e in self.entries]
-        if flat.numel() > self.numel:
-            sizes.append(flat.numel() - self.numel)
-        chunks = flat.split(sizes)
+        sizes, keep, pos = [], [], 0
+        for e in self.entries:  # an owner layout (``_segment``) leaves gaps between some entries
+            if e.offset > pos:
+                sizes.append(e.offset - pos)
+                keep.append(False)
+            sizes.append(e.numel)
+            keep.append(True)
+            pos = e.offset + e.numel
+        if flat.numel() > pos:
+            sizes.append(flat.numel() - pos)
+            keep.append(False)
+        chunks = [c for c, k in zip(flat.split(sizes), keep) if k]
         return {e.name: c.view(e.shape) for e, c in zip(self.entries, chunks)}
 
 
@@ -184,18 +192,63 @@ def split_by_dtype(model: nn.Module, paths: list[str]) -> list[str]:
         paths = sorted(set(paths) | extra, key=order.__getitem__)
 
 
-def _segment(params: list[tuple[str, torch.Tensor]], world: int) -> Segment:
+MAX_OWNER_PADDING = 0.5  # an owner layout may add at most this share of the unit's elements as padding
+
+
+def _segment(params: list[tuple[str, torch.Tensor]], world: int, whole=None) -> Segment:
+    """The flat layout of ``params``: one after another, padded to a multiple of ``world``; or, where
+    ``whole`` (a predicate on names) picks parameters an optimizer updates whole, the owner layout
+    (``owner_offsets``) when it costs at most ``MAX_OWNER_PADDING`` more elements."""
     dtypes = {p.dtype for _, p in params}
     dtype = dtypes.pop() if dtypes else torch.float32
-    entries, offset = [], 0
-    for name, p in params:
-        entries.append(Entry(name, tuple(p.shape), offset))
-        offset += p.numel()
-    return Segment(tuple(entries), dtype, offset, layout.padded_numel(offset, world))
+    sizes = [p.numel() for _, p in params]
+    total = sum(sizes)
+    offsets, padded = None, layout.padded_numel(total, world)
+    if whole is not None and world > 1 and any(whole(name) for name, _ in params):
+        found = owner_offsets(sizes, [bool(whole(name)) for name, _ in params], world)
+        if found is not None and found[1] <= padded + MAX_OWNER_PADDING * total:
+            offsets, padded = found
+    if offsets is None:
+        offsets = [sum(sizes[:k]) for k in range(len(sizes))]
+    entries = tuple(Entry(name, tuple(p.shape), o) for (name, p), o in zip(params, offsets))
+    end = max((o + n for o, n in zip(offsets, sizes)), default=0)
+    return Segment(entries, dtype, end, padded)
 
 
-def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
-    """Group ``model``'s parameters into units and lay each unit out flat."""
+def owner_offsets(sizes: list[int], whole: list[bool], world: int) -> tuple[list[int], int] | None:
+    """Offsets, in order, that put each ``whole`` entry inside one of ``world`` equal shards (the others
+    may cross), and the padded length ``world * n`` for the smallest shard ``n`` found; None if the
+    layout cannot be cut so (no entry is whole). A whole entry that would cross a shard's end starts
+    at the next shard's, leaving a gap the flat buffer holds as zeros."""
+    if not any(whole):
+        return None
+
+    def place(n):
+        pos, out = 0, []
+        for size, w in zip(sizes, whole):
+            if w and size and pos // n != (pos + size - 1) // n:
+                pos = -(-pos // n) * n
+            out.append(pos)
+            pos += size
+        return out if pos <= world * n else None
+
+    lo = max(-(-sum(sizes) // world), max((s for s, w in zip(sizes, whole) if w), default=1), 1)
+    hi = lo
+    while place(hi) is None:
+        hi *= 2
+    while lo < hi:  # the smallest n that fits, by bisection (fitting is monotone in n but for rare ties)
+        mid = (lo + hi) // 2
+        if place(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return place(hi), world * hi
+
+
+def build_spec(model: nn.Module, units=None, world: int = 1, whole=None) -> ModelSpec:
+    """Group ``model``'s parameters into units and lay each unit out flat; ``whole``: a predicate on
+    parameter names, the parameters an optimizer updates whole, each then kept inside one of the
+    ``world`` shards where that costs little (``_segment``)."""
     for name, p in compiled.named_parameters(model):
         if getattr(p, "_zfunc_name", None) is not None:
             raise ValueError(
@@ -223,7 +276,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1) -> ModelSpec:
             owner_of_first[n] = (len(built), p.requires_grad)
         if members[i] or located[i]:
             built.append(
-                Unit(path, _segment(trainable, world), _segment(frozen, world), tuple(located[i]))
+                Unit(path, _segment(trainable, world, whole), _segment(frozen, world), tuple(located[i]))
             )
     owner = tuple(
         (name, owner_of_first[canonical.get(name, name)])

@@ -187,15 +187,25 @@ def safetensors_from_saved(saved, path: str, dtype: torch.dtype) -> str:
     return path
 
 
+def entry_offsets(segment: dict) -> list[int]:
+    """Where each entry of a manifest's segment starts in its flat buffer: as recorded (an owner
+    layout leaves gaps: zfunc.tree._segment), or one after another (checkpoints saved before)."""
+    if "offsets" in segment:
+        return list(segment["offsets"])
+    sizes = [math.prod(shape) for _, shape in segment["entries"]]
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
 def _from_saved(saved, dtype):
     """``(plan, parameter elements, values)`` of checkpoint ``saved``: ``values`` yields each tensor,
     reading one unit at a time and releasing what was read of the files after each."""
     manifest, layouts = saved.manifest, saved.layouts
     trainable = "master" if "master" in layouts else "params"  # the fp32 weights, when mixed precision kept them
-    pieces, segments = [], []
+    pieces, segments, offsets = [], [], {}
     for i, unit in enumerate(manifest["model"]["units"]):
         for role, kind in ((trainable, "trainable"), ("frozen", "frozen")):
             pieces.append((role, i, unit[kind]["entries"]))
+            offsets[(role, i)] = entry_offsets(unit[kind])
             segments.append((unit[kind]["entries"], dtype_of(unit[kind]["dtype"])))
     transient = set(manifest.get("transient_buffers", ()))  # saved by zfunc before they were recorded: none
     keys = manifest.get("state_dict_keys")  # an engine's checkpoint: the model's state_dict names
@@ -213,12 +223,10 @@ def _from_saved(saved, dtype):
         for role, i, entries in pieces:
             if not entries:
                 continue
-            flat, offset = saved.unit(role, i), 0
+            flat = saved.unit(role, i)
             saved.release()  # the file's pages it came from
-            for name, shape in entries:
-                n = math.prod(shape)
-                yield name, flat[offset: offset + n].view(shape).to(dtypes[name])
-                offset += n
+            for (name, shape), offset in zip(entries, offsets[(role, i)]):
+                yield name, flat[offset: offset + math.prod(shape)].view(shape).to(dtypes[name])
             del flat
         for role, name, _, _ in buffers:
             yield name, saved.tensor(role).to(dtypes[name])

@@ -57,7 +57,7 @@ from . import folders
 from .. import dist, layout, swap
 from .files import (DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, free_space_error, read_json,
     write_json)
-from .hf_export import export_saved
+from .hf_export import entry_offsets, export_saved
 from ..optim.counts import is_count
 from ..pytree import NAMESPACE, tree_unflatten
 from ..state import INNER, check_usable, wrapper_role
@@ -119,8 +119,8 @@ def model_layout(spec: ModelSpec) -> dict:
     """The model's layout as plain data: what a checkpoint must match to load."""
 
     def segment(s):
-        return {"numel": s.numel, "dtype": str(s.dtype),
-                "entries": [[e.name, list(e.shape)] for e in s.entries]}
+        return {"numel": s.numel, "dtype": str(s.dtype), "entries": [[e.name, list(e.shape)] for e in s.entries],
+                "offsets": [e.offset for e in s.entries]}
 
     return {"units": [{"name": u.name, "trainable": segment(u.trainable), "frozen": segment(u.frozen)}
                       for u in spec.units],
@@ -143,11 +143,33 @@ def _first_difference(saved: dict, ours: dict) -> str | None:
     for name, shape in b:
         if name not in theirs:
             return f"{other} {name!r} {shape} is in this model but not in the checkpoint"
-    if saved["units"] != ours["units"]:
+    if _grouping(saved["units"]) != _grouping(ours["units"]):
         return _unit_difference(saved["units"], ours["units"])
-    if saved != ours:
+    if saved["aliases"] != ours["aliases"]:
         return "it was saved from the same parameters under other tied (aliased) names"
     return None
+
+
+def _grouping(units: list) -> list:
+    """The units without where their entries lie (an owner layout's depends on the world size:
+    ``_remapped`` reads across)."""
+    return [{**u, **{k: {f: v for f, v in u[k].items() if f not in ("numel", "offsets")} for k in ("trainable", "frozen")}}
+            for u in units]
+
+
+def _remapped(ours, theirs: dict, start: int, n: int) -> list[tuple[int, int, int]] | None:
+    """Elements ``[start, start + n)`` of our segment ``ours`` as ``(lo, hi, at)``: ``[lo, hi)`` of them
+    are the saved segment's (``theirs``, a manifest's) ``[at, at + hi - lo)``; None where both lay their
+    entries out alike (owner layouts for other world sizes do not: zfunc.tree._segment)."""
+    saved = entry_offsets(theirs)
+    if [e.offset for e in ours.entries] == saved:
+        return None
+    out = []
+    for e, at in zip(ours.entries, saved):
+        a, b = max(e.offset, start), min(e.offset + e.numel, start + n)
+        if a < b:
+            out.append((a - start, b - start, at + a - e.offset))
+    return out
 
 
 def _unit_difference(saved: list, ours: list) -> str:
@@ -461,7 +483,7 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
     roles, nodes, treedef = _parts(state)
     from_roles = _sources(roles, nodes, saved, composition, world)
     # every read, as (checkpoint, saved part, its unit, first element, elements), verified before any copy
-    reads = []
+    reads, plans = [], []
     for src_role, node in zip(from_roles, nodes):
         if isinstance(node, Params):
             r = dist.rank(node.spec.process_group)
@@ -471,26 +493,34 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
                 # this rank's part of the unit laid out for this world size: its shard, or all of it
                 start = layout.shard_start(r, leaf.numel()) if not _is_whole(leaf, sharded) else 0
                 src, j = locate(i)
-                reads.append((src, src_role, j, start, leaf.numel()))
+                theirs = src.manifest["model"]["units"][j]["frozen" if node.spec.frozen else "trainable"]
+                pieces = None if is_count(leaf) else _remapped(node.spec.segment(i), theirs, start, leaf.numel())
+                plans.append((src, src_role, j, start, pieces))
+                reads += ([(src, src_role, j, start, leaf.numel())] if pieces is None
+                          else [(src, src_role, j, at, hi - lo) for lo, hi, at in pieces])
     wholes = [(saved, role, None, 0, 0) for role, node in zip(from_roles, nodes)
               if isinstance(node, torch.Tensor) and role is not None]
     _verified(reads + wholes, saved.folder, group)
     store = swap.open_store(state)
     if store is not None:
         store.drop_resident()  # the files are about to change under it
-    out, reads = [], iter(reads)
+    out, plans = [], iter(plans)
     for src_role, node in zip(from_roles, nodes):
         if isinstance(node, Params):
             for leaf in node.leaves:
                 if leaf is None or (leaf.dim() and not leaf.numel()):
                     continue
-                src, role, j, start, _ = next(reads)
+                src, role, j, start, pieces = next(plans)
+                target = torch.empty(leaf.shape, dtype=leaf.dtype) if swap.on_disk(leaf) else leaf
+                if pieces is None:
+                    src.read_into(role, j, target, start)
+                else:  # saved in another owner layout: entry by entry, zeros between
+                    target.zero_()
+                    for lo, hi, at in pieces:
+                        src.read_into(role, j, target[lo:hi], at)
                 if swap.on_disk(leaf):
-                    value = src.read_into(role, j, torch.empty(leaf.shape, dtype=leaf.dtype), start)
                     store_of_leaf, _, _ = swap.locate(leaf)
-                    store_of_leaf.write_now(value, leaf)
-                else:
-                    src.read_into(role, j, leaf, start)
+                    store_of_leaf.write_now(target, leaf)
             out.append(node)
         elif isinstance(node, torch.Tensor):
             if src_role is not None:
@@ -522,11 +552,8 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
             if not entries:
                 continue
             flat = saved.unit(path, i).float()
-            offset = 0
-            for name, shape in entries:
-                n = math.prod(shape)
-                out[name] = flat[offset: offset + n].reshape(shape).clone()
-                offset += n
+            for (name, shape), offset in zip(entries, entry_offsets(unit[kind])):
+                out[name] = flat[offset: offset + math.prod(shape)].reshape(shape).clone()
     for alias, canonical in manifest["model"]["aliases"]:
         out[alias] = out[canonical]
     transient = set(manifest.get("transient_buffers", ()))  # not in the model's state_dict

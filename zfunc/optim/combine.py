@@ -68,6 +68,9 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
                                         lowp_params=lowp_params, schedule=schedule)
             return params, (*new_state, last)
 
+        whole = getattr(transforms[-1].init, "whole", None)
+        if whole is not None:
+            init.whole = whole  # which parameters it updates whole (zfunc.optim.whole.whole_params)
         return Optimizer(init, update, fuses=True, defers=getattr(transforms[-1], "defers", False),
                          lr=getattr(transforms[-1], "lr", None))
 

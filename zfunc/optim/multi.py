@@ -91,6 +91,8 @@ def multi(transforms: Mapping[str, Optimizer], param_labels: Callable[[str], str
                                               lowp_params=lowp_params)
         return params, new
 
+    if whole:
+        init.whole = lambda name: labelled(name) in whole  # zfunc.optim.whole.whole_params
     first = next(iter(transforms.values()))
     return Optimizer(init, update, fuses=True, lr=first.lr)
 

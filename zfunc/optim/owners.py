@@ -7,8 +7,12 @@ layout alone (so it is known when the state is made and at every update):
 
 * a parameter that lies inside one rank's shard is owned by that rank: its reduce-scattered gradient
   is already whole there, and its updated values go back through the usual all-gather, with no
-  collective of the optimizer's own;
-* a parameter the shards cut is given to the rank with the least work so far, largest first, where
+  collective of the optimizer's own. The step lays each unit out so (zfunc.tree's owner layout,
+  ``owner_offsets``: the optimizer's whole parameters, from ``zfunc.optim.whole.whole_params``, each
+  kept inside one of the W equal shards, a gap of zeros before one that would cross a shard's end),
+  wherever that adds at most ``zfunc.tree.MAX_OWNER_PADDING`` of the unit's elements;
+* a parameter the shards still cut (a unit the layout could not cut cheaply: one smaller than its
+  owners, one matrix larger than a fair shard) is given to the rank with the least work so far, largest first, where
   work is the optimizer's cost for that shape (Newton-Schulz's FLOPs for Muon) summed over what each
   rank already owns. Its unit is then gathered to the owners and the results summed back
   (``OwnedUnit``: one all-gather and one all-reduce per such unit, counted in ``metrics["comm"]``).

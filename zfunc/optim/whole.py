@@ -129,7 +129,19 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
         return params, WholeState(opt_state.count + 1, opt_state.steps, opt_state.shaped, opt_state.slots)
 
     init.restrict = lambda chosen: optimizer(rule, hyper, check, groups, chosen)  # zf.optim.multi's hook
+    init.whole = select or _every  # the parameters it updates whole (``whole_params``)
     return Optimizer(init, update, fuses=True, lr=schedule_lr)
+
+
+def _every(name: str) -> bool:
+    return True
+
+
+def whole_params(optimizer) -> Callable[[str], bool] | None:
+    """Which parameters ``optimizer`` updates whole (a predicate on names), or None: the step lays
+    each unit out so that its shards end at their boundaries (zfunc.tree's owner layout). ``chain``
+    and ``zf.optim.multi`` pass on their members' (the ``init.whole`` each carries)."""
+    return getattr(getattr(optimizer, "init", None), "whole", None)
 
 
 def _update_unit(rule, todo: list[Placed], p_leaf, g_leaf, s_leaves, counts, slots, hs, labels, scale, group,

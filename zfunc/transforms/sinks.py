@@ -123,6 +123,10 @@ class GradSink(Sink):
             acc = self.acc[unit.index] = buffers.empty(self.spec.segment(unit.index).padded, torch.float32,
                                                        unit.device)
             views = self.views[unit.index] = list(unit.segment.unflatten(acc).values())
+            pos = 0
+            for e in unit.segment.entries:  # the gaps of an owner layout (zfunc.tree._segment)
+                acc[pos : e.offset].zero_()
+                pos = e.offset + e.numel
             acc[unit.segment.numel:].zero_()  # the padding
         else:
             acc = self.acc[unit.index]

@@ -7,6 +7,7 @@ from .plan import OffloadPlan, whole
 from ...placement import Placement
 from .rates import Rates
 from ...step import Step
+from ...optim.whole import whole_params
 from ...tree import build_spec
 from .cpu import Offload, make_device_plan
 from .nvme import OffloadNvme, make_host_plan
@@ -23,7 +24,7 @@ def plan_offload(step: Step, model, *, budget: int | None = None, host_budget: i
     optimizer) is refused at init. Budgets are whole numbers of bytes (``4e9`` too)."""
     budget, host_budget = whole(budget, "plan_offload", "budget"), whole(host_budget, "plan_offload", "host_budget")
     offload = next((t for t in step.transforms if t.family == "offload"), None)
-    spec = build_spec(model, step.units, dist.world_size(step.group))
+    spec = build_spec(model, step.units, dist.world_size(step.group), whole=whole_params(step.optimizer))
     if isinstance(offload, Offload):
         if budget is None or host_budget is not None:
             raise ValueError("plan_offload: under offload_cpu, give budget= (bytes of device memory for the optimizer "
