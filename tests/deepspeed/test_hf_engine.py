@@ -58,6 +58,9 @@ def test_an_nn_module_whose_module_runs_on_the_engines_weights():
         torch.testing.assert_close(sd[name], t, **TOL)
     for i, p in enumerate(model.parameters()):
         assert (p.ds_id, p.ds_status, p.ds_numel, p.ds_shape) == (i, ZeroParamStatus.NOT_AVAILABLE, p.numel(), p.shape)
+    with zds.zero.GatheredParameters(list(model.parameters())):
+        assert all(p.ds_status == ZeroParamStatus.AVAILABLE for p in model.parameters())
+    assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in model.parameters())
     assert optimizer.overflow is False and engine.training
     with pytest.raises(AttributeError, match="engine.module.generate"):
         optimizer.parameter_offload

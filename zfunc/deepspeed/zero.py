@@ -213,6 +213,11 @@ def _initializer(root: nn.Module, names: tuple) -> ParameterInit:
     return _initializer_of[0][2]
 
 
+def _mark(params, status) -> None:
+    for p in params:
+        p.ds_status = status
+
+
 # --------------------------------------------------------------------- the spill
 
 
@@ -406,6 +411,10 @@ class GatheredParameters:
         _open.update(self._keys)
         self._stack.callback(_open.difference_update, self._keys)
         self._stack.enter_context(lazy.resolving(_Values(values, lazy.current())))
+        marked = [p for p in held if hasattr(p, "ds_status")]  # DeepSpeed's status, as its clients read it
+        for p in marked:
+            p.ds_status = ZeroParamStatus.AVAILABLE
+        self._stack.callback(_mark, marked, ZeroParamStatus.NOT_AVAILABLE)
 
     @staticmethod
     def _engine_of(p):
