@@ -205,8 +205,8 @@ def test_schedule_from_the_config_lr_for_a_callable():
 
 def test_what_has_no_counterpart_is_refused_by_name():
     model = Net()
-    with pytest.raises(TypeError, match=r"torch\.optim\.rmsprop\.RMSprop, which zfunc cannot read"):
-        optimizer_from_client(torch.optim.RMSprop(model.parameters()), model)
+    with pytest.raises(TypeError, match=r"builtins\.object, which zfunc cannot read"):
+        optimizer_from_client(object(), model)
 
     class MyAdamW(torch.optim.AdamW):
         pass

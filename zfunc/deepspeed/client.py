@@ -8,7 +8,10 @@ need not build), each param group mapped by the identity of its Parameter object
 names (``model.named_parameters()``) and given to ``zf.optim.group``. What has no counterpart in
 zfunc (``amsgrad``, ``maximize``, Adam without bias correction) is refused naming the group and
 the key; what only picks an implementation (``foreach``, ``fused``, ``capturable``,
-``differentiable``) is ignored, as the math is the same.
+``differentiable``) is ignored, as the math is the same. Any other ``torch.optim.Optimizer`` class
+(``torch.optim.Muon``, ``Adafactor``, ``RMSprop``, a third-party one) runs as itself through
+``zf.optim.from_torch``, each group's values as the class holds them (a scheduler's lr followed):
+whole tensors, each parameter by one owner rank (docs/optim.md).
 
 The scheduler: any object that, like ``torch.optim.lr_scheduler.LRScheduler`` and DeepSpeed's
 ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``, holds ``.optimizer`` and
@@ -34,6 +37,7 @@ from .. import compiled, optim
 ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
 SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov")
 DEEPSPEED_ADAMS = ("FusedAdam", "DeepSpeedCPUAdam")
+TORCH_SWITCHES = ("foreach", "differentiable", "capturable", "fused")  # how torch runs a class, not its math
 
 
 def optimizer_from_client(optimizer: torch.optim.Optimizer, model: nn.Module, lr_scheduler=None,
@@ -54,7 +58,8 @@ def optimizer_from_client(optimizer: torch.optim.Optimizer, model: nn.Module, lr
     values = [_group_values(optimizer, k, g, kind, keys) for k, g in enumerate(optimizer.param_groups)]
     if lr_scheduler is not None:
         table = _Table(_scheduler_on_copy(lr_scheduler, optimizer))
-        values = [{key: _scheduled(table, k, key, v) for key, v in row.items()} for k, row in enumerate(values)]
+        values = [{key: _scheduled(table, k, key, v) if kind != "torch" or key == "lr" else v for key, v in row.items()}
+                  for k, row in enumerate(values)]
     elif live_lrs is not None:
         values = [{**row, "lr": live_lrs[k]} for k, row in enumerate(values)]
     own = values[0]
@@ -65,6 +70,8 @@ def optimizer_from_client(optimizer: torch.optim.Optimizer, model: nn.Module, lr
             groups.append(optim.group(names[k], **differ))
     if kind == "sgd":
         return optim.sgd(**own, groups=groups)
+    if kind == "torch":  # Muon, Adafactor, RMSprop, ...: whole tensors, each by its owner (docs/optim.md)
+        return optim.from_torch(type(optimizer), **own, groups=groups)
     return getattr(optim, kind)(**own, groups=groups)
 
 
@@ -120,14 +127,19 @@ def _kind(optimizer) -> tuple[str, tuple[str, ...]]:
                         f"{cls.__mro__[1].__name__} whose step may differ; zfunc reads torch.optim.AdamW, Adam, SGD and "
                         "DeepSpeed's FusedAdam / DeepSpeedCPUAdam exactly. Build one of those, or pass a zfunc "
                         "optimizer (zf.optim.adamw, ...) through the config")
+    if isinstance(optimizer, torch.optim.Optimizer):  # any other class: run as itself (zf.optim.from_torch)
+        return "torch", tuple(k for k in optimizer.defaults if k not in TORCH_SWITCHES)
     raise TypeError(f"optimizer is a {cls.__module__}.{cls.__name__}, which zfunc cannot read: it reads "
-                    "torch.optim.AdamW, Adam, SGD and DeepSpeed's FusedAdam / DeepSpeedCPUAdam. Use one of those, "
-                    "or name the optimizer in the config's \"optimizer\" block")
+                    "torch.optim.Optimizer classes (torch.optim.AdamW, Adam, SGD and DeepSpeed's FusedAdam / "
+                    "DeepSpeedCPUAdam by zfunc's own fused optimizers, any other through zf.optim.from_torch). Use "
+                    "one of those, or name the optimizer in the config's \"optimizer\" block")
 
 
 def _group_values(optimizer, k: int, g: dict, kind: str, keys) -> dict[str, Any]:
     """Group ``k``'s hyperparameters as zfunc's optimizer takes them; what has no counterpart refused."""
     where = f"{type(optimizer).__name__} param group {k}"
+    if kind == "torch":  # the class's own values, as its step reads them
+        return {key: g.get(key, optimizer.defaults.get(key)) for key in keys}
     for key in ("amsgrad", "maximize"):
         if g.get(key):
             raise ValueError(f"{where} sets {key}=True, which zfunc's {kind} does not have; set it to False")
