@@ -8,7 +8,10 @@ Each optimizer runs in its own fresh set of W processes (benchmarks/_launch.py) 
 
 * ``adamw``: ``zf.optim.adamw(lr, weight_decay=0.01)`` on every parameter;
 * ``muon``: ``zf.optim.multi`` of ``zf.optim.muon(0.02, weight_decay=0.01)`` on the blocks' 2-D
-  weights and that AdamW on the rest (embeddings, head, norms, biases): the standard recipe.
+  weights and that AdamW on the rest (embeddings, head, norms, biases): the standard recipe, each
+  block laid out so that its matrices lie inside the shards (the owner layout, zfunc.tree);
+* ``muon-gather``: the same with the owner layout turned off (``zfunc.tree.MAX_OWNER_PADDING = -1``):
+  the shards cut the matrices, and each block's unit is gathered to the owners.
 
 Measured per optimizer: the median step time (each step starts at a barrier and ends on the slowest
 rank; the warm-up left out), the optimizer's share of it (its update, timed on each rank, the
@@ -34,9 +37,11 @@ from _worker import finish, timed_steps  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
 
 import zfunc as zf  # noqa: E402
+import zfunc.tree  # noqa: E402
 from zfunc.testing import memory  # noqa: E402
 
-PEERS = {"adamw": "AdamW on every parameter", "muon": "Muon on the blocks' matrices + AdamW on the rest"}
+PEERS = {"adamw": "AdamW on every parameter", "muon": "Muon on the blocks' matrices + AdamW on the rest",
+         "muon-gather": "the same without the owner layout (each block's unit gathered to the owners)"}
 WORLD = 4
 
 
@@ -104,6 +109,8 @@ def worker(args) -> None:
         logits = zf.apply(model, params, b[0])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[1].flatten())
 
+    if peer == "muon-gather":
+        zfunc.tree.MAX_OWNER_PADDING = -1.0
     update_s: list = []
     step = zf.zero3(zf.train_step(loss_fn, timed(optimizer(peer), update_s)))
     state = step.init(model)
