@@ -375,12 +375,8 @@ def test_unknown_scheduler_names_the_nearest_and_lists_the_valid():
     (cfg(aio={"thread_count": 2, "intra_op_parallelism": 2}), ["aio.thread_count", "aio.intra_op_parallelism"]),
     (cfg(zero_optimization={"stage": 3, "stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}),
      ["zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.prefetch_bucket_size"]),
-    (cfg(zero_optimization={"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}),
-     ["zero_optimization.offload_param", "stage 3"]),
     (cfg(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}),
      ["zero_optimization.offload_param.nvme_path"]),
-    (cfg(zero_optimization={"stage": 2, "offload_param": {"device": "cpu"}}),
-     ["zero_optimization.offload_param", "stage 3"]),
     (cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}}),
      ["zero_optimization.offload_optimizer.nvme_path"]),
     (cfg(optimizer={"type": "SGD", "params": {"nesterov": True}}), ["optimizer.params.nesterov", "momentum"]),
@@ -533,6 +529,18 @@ def test_ignored_keys_are_listed_and_warned_once():
         zc.warn_ignored(c)
     assert len(record) == 1
     assert all(key in str(record[0].message) for key in expect)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_below_zero3_is_ignored_as_deepspeed_ignores_it(stage):
+    """DeepSpeed's stages 0-2 never read offload_param (DeepSpeed-Chat's configs set it at every stage)."""
+    for device in ("cpu", "nvme"):
+        c = zc.parse(cfg(zero_optimization={"stage": stage, "offload_param": {"device": device, "nvme_path": "/x"}}), 1)
+        assert c.zero.offload_param is None
+        assert len(c.ignored) == 1 and c.ignored[0].startswith("zero_optimization.offload_param")
+        assert f"stage {stage}" in c.ignored[0]
+        with pytest.warns(UserWarning, match="zero_optimization.offload_param"):
+            zc.warn_ignored(c)
 
 
 def test_nothing_ignored_no_warning():

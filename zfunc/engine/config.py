@@ -637,9 +637,9 @@ def _offload_param(sec: _Section | None, stage: int) -> OffloadParamConfig | Non
     if sec is None:
         return None
     device = sec.get("device", "str", "none", choices=("none", "cpu", "nvme"))
-    if device != "none" and stage != 3:
-        raise ValueError(f"zero_optimization.offload_param needs stage 3 (DeepSpeed offloads parameters "
-                         f"only under ZeRO-3), got zero_optimization.stage {stage}")
+    if device != "none" and stage != 3:  # DeepSpeed's stages 0-2 never read it (DeepSpeed-Chat's configs set it)
+        sec.ignored.append(f"{sec.path} (parameters are offloaded under ZeRO-3 only; stage {stage} keeps them)")
+        return None
     out = OffloadParamConfig(
         device=device, nvme_path=_nvme_path(sec, device),
         buffer_count=sec.get("buffer_count", "int", 5, lo=1),
