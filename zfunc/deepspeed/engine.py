@@ -48,11 +48,15 @@ class DeepSpeedEngine(Engine, nn.Module):
         spill = zero.spilled(model)  # what GatheredParameters blocks wrote under a ZeRO-3 Init (from_pretrained)
         if spill is not None and kwargs.get("weights") is None:
             kwargs.update(weights=spill.weights(), strict=False)
+        names = {id(p): n for n, p in model.named_parameters()}  # the model's own parameters, before init
         try:
             Engine.__init__(self, model, cfg, **kwargs)
         finally:
             if spill is not None:
                 zero.forget_spill(model)
+        now = dict(model.named_parameters())
+        # what stands in for each parameter the model held (a script's optimizer's groups point there)
+        self._stand_in_of = {i: now[n] for i, n in names.items() if n in now}
         _bind_outside_steps(self, model)
         if self.zero_optimization_partition_weights():
             _mark_partitioned(model)

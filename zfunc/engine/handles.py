@@ -51,6 +51,11 @@ class OptimizerHandle:
         self._engine = engine
         self._groups = hyperparameters
         self.live = live
+        stand_in_of = getattr(engine, "_stand_in_of", None)
+        if live is not None and stand_in_of:  # the groups' params: the stand-ins, so the model's own tensors
+            for g in live:                     # are not kept alive (DeepSpeed's groups hold its empty partitions)
+                if "params" in g:
+                    g["params"] = [stand_in_of.get(id(p), p) for p in g["params"]]
 
     @property
     def parameter_offload(self):
