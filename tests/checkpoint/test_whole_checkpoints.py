@@ -86,7 +86,7 @@ def assert_same_entries(source: str, target: str) -> int:
 TORCH = {"recipe": torch_recipe, "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.05)]}
 
 
-@pytest.mark.parametrize("opt_name", ["recipe", "adafactor"])
+@pytest.mark.parametrize("opt_name", [pytest.param("recipe", marks=pytest.mark.slow), "adafactor"])
 def test_w2_to_w3_exact(opt_name, tmp_path):
     first, second = os.path.join(tmp_path, "w2"), os.path.join(tmp_path, "w3")
     saved = workers(2).run(save_after, opt_name, 3, first)[0]

@@ -60,7 +60,7 @@ def zfunc_loop(kind: str, per_rank: int) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["muon", "rmsprop_groups", "adafactor"])
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_scripts_torch_optimizer_runs_as_itself(kind, world):
     expected = torch_loop(kind, 4 * world)
     for got in workers(world).run(zfunc_loop, kind, 4):

@@ -64,7 +64,7 @@ def test_config_reads_muon():
     assert (o.type, o.lr, o.weight_decay, o.momentum, o.nesterov, o.ns_steps) == ("muon", 0.02, 0.01, 0.95, True, 5)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_engine_muon_equals_torch_at_every_stage(world):
     expected = torch_reference()
     for stage in (0, 1, 2, 3):

@@ -98,7 +98,7 @@ def test_stage0_runs_muon_not_sgd():
     assert not torch.allclose(got[0]["params"]["blocks.0.qkv.weight"].double(), sgd["blocks.0.qkv.weight"])
 
 
-@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("nvme", marks=pytest.mark.slow)])
 def test_offload_equals_no_offload(kind):
     """DeepSpeed's bug: Muon with offloaded optimizer state diverged from the same run without. Here
     zero3(offload_*(f)) equals zero3(f) bit for bit, for Muon + AdamW and for Adafactor."""
