@@ -107,7 +107,10 @@ def _check(layout, world, stage, **kw):
         assert [x["loss"] for x in h["history"]] == pytest.approx([x["loss"] for x in f["history"]], rel=1e-5)
         assert [x["grad_norm"] for x in h["history"]] == pytest.approx([x["grad_norm"] for x in f["history"]],
                                                                        rel=1e-5)
-        assert h["eval_loss"] == pytest.approx(f["eval_loss"], rel=1e-5)
+        if f["eval_loss"] is None:  # no eval step under precision or offload (pytest 9's approx refuses None)
+            assert h["eval_loss"] is None
+        else:
+            assert h["eval_loss"] == pytest.approx(f["eval_loss"], rel=1e-5)
     if not kw.get("precision"):
         assert hybrid[0]["history"][0]["grad_norm"] == pytest.approx(plain_grad_norm(world), rel=1e-5)
     return hybrid
