@@ -54,7 +54,8 @@ from ..state import State, check_usable, master_params, unit_values, write_param
 from ..unit_init import ParameterInit
 from ..weights import hf_init
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_engine"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_engine", "register_external_parameter",
+           "unregister_external_parameter"]
 
 
 class ZeroParamStatus(enum.Enum):
@@ -66,6 +67,23 @@ class ZeroParamStatus(enum.Enum):
     INFLIGHT = 3
 
 _ENGINE = "_zfunc_engine"  # the attribute on a stand-in: a weak reference to its engine
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's mark that ``module``'s forward reads ``parameter`` of another module (transformers'
+    speech models call it). Nothing to record here: zfunc's coordinator sees every parameter a unit
+    reads when it runs (zfunc.coordinator), so a weight read outside its module is gathered where it
+    is used without being told. Checked as DeepSpeed checks it."""
+    if not isinstance(parameter, nn.Parameter):
+        raise RuntimeError(f"register_external_parameter: parameter must be an nn.Parameter, got "
+                           f"{type(parameter).__name__}")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """The undo of ``register_external_parameter``: as there, nothing was recorded."""
+    register_external_parameter(module, parameter)
 
 
 def register_engine(engine) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ...zero import GatheredParameters, Init, ZeroParamStatus
+from ...zero import (GatheredParameters, Init, ZeroParamStatus, register_external_parameter,
+                     unregister_external_parameter)
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
+           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
 
 _orig_torch_arange = torch.arange
 
