@@ -26,9 +26,9 @@ import torch.nn.functional as F
 
 import zfunc.deepspeed as zds
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("deepspeed")
+import transformers  # noqa: F401  (declared in the test extra: a missing one must fail, not skip)
+import accelerate  # noqa: F401  (declared in the test extra: a missing one must fail, not skip)
+import deepspeed  # noqa: F401  (declared in the test extra: a missing one must fail, not skip)
 
 import ds_clients  # noqa: E402
 import hf_trainer  # noqa: E402

@@ -7,8 +7,8 @@ nothing missing, and a rank other than 0 (which transformers has read the whole 
 by a fraction of the model while loading (tests/harness/hf_zero3_load.py, W = 2 under torchrun)."""
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+import transformers  # noqa: F401  (declared in the test extra: a missing one must fail, not skip)
+import accelerate  # noqa: F401  (declared in the test extra: a missing one must fail, not skip)
 
 import hf_trainer  # noqa: E402
 import hf_zero3_load  # noqa: E402
