@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import optree
 import torch
@@ -47,6 +47,7 @@ from ...optim.base import Optimizer, apply_update, state_bytes_per_element
 from ...placement import CPU, DEVICE, Placement, compute_device
 from ...pytree import NAMESPACE, tree_leaves, tree_map
 from .delayed import check_delay, delayed_optimizer
+from .cores import resolve as resolve_cores
 from .host_update import UnitUpdates, Uploads
 from ..sinks import GradOffHome, with_grad_sink
 from .host_sums import HostSums, to_host
@@ -270,7 +271,7 @@ class Offload(Transform):
     def __init__(self, pin_memory: bool, copy_grads_on_host: bool = False, params: bool = False,
                  plan: OffloadPlan | None = None, ratio: float | None = None, budget: int | None = None,
                  rates: Rates | None = None, overlap: bool | None = None, accumulate_on: str = "device",
-                 delay: int = 0, delay_after: int = 0):
+                 delay: int = 0, delay_after: int = 0, host_cores=None):
         self.pin_memory = pin_memory
         self.delay, self.delay_after = delay, delay_after  # the delayed update (zfunc.transforms.offload.delayed)
         self.accumulate_on = accumulate_on
@@ -283,7 +284,11 @@ class Offload(Transform):
         self._overlap_on_cpu = bool(overlap)  # given True: wherever the state computes
         if overlap is None:  # the host sums' update runs after backward: see the error above
             overlap = torch.cuda.is_available() and accumulate_on != "host"
-        self.overlap = UnitUpdates() if overlap else None
+        if host_cores is not None and not overlap:
+            raise ValueError("offload_cpu: host_cores pins the worker that runs the update behind the next forward, "
+                             "and this offload_cpu has none (overlap is off: its default on a machine without CUDA); "
+                             "give overlap=True, or leave host_cores unset")
+        self.overlap = UnitUpdates(resolve_cores(host_cores)) if overlap else None
         self.copy_grads_on_host = copy_grads_on_host
         self.params = params
         self.plan, self.ratio, self.budget, self.rates = plan, ratio, budget, rates
@@ -345,6 +350,8 @@ class Offload(Transform):
         per_param = r["pcie_bytes"] / r["host_params"] if r["host_params"] else 0.0  # roofline takes bytes a parameter
         out = roofline(r["started"] - begun, r["ended"] - r["started"], r["host_params"], r["first_params"],
                        per_param, self.rates, waited_s=waited, micro_batches=self._micro)
+        if self.overlap is not None:  # the cores the update's worker is pinned to (None: unpinned)
+            out["host_cores"] = self.overlap.cores
         if self.delay:  # this step's update lands at the next step that updates (delay=), or at once
             out["delayed"] = r.get("delayed", False)
         return {"offload": out}
@@ -403,7 +410,7 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
                 copy_grads_on_host: bool = False, plan: OffloadPlan | str | None = None,
                 ratio: float | None = None, budget: int | None = None, rates: Rates | None = None,
                 overlap: bool | None = None, accumulate_on: str = "device", delay: int = 0,
-                delay_after: int = 0) -> Step:
+                delay_after: int = 0, host_cores: int | Sequence[int] | None = None) -> Step:
     """Keep the optimizer state in CPU memory and update it there (module docstring).
 
     ``params``: keep zero3's parameter shards in host memory too, copied to the device as
@@ -429,6 +436,11 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     the host runs it behind the whole of the next step's forward and backward, which use the
     parameters from before it (zfunc.transforms.offload.delayed says exactly what it computes);
     0 (the default): the exact update. ``delay_after``: the first that many updates are exact.
+    ``host_cores``: the cores of the worker that runs the update behind the next forward (needs
+    ``overlap``): a number (the last that many of this process's cores) or a list of core ids; the
+    rest are left to the thread that launches the device's work. Default: all but one, where the
+    process has three or more (zfunc.transforms.offload.cores); ``metrics["offload"]["host_cores"]``
+    says which.
     """
     if accumulate_on not in ("device", "host"):
         raise ValueError(f"offload_cpu: accumulate_on must be 'device' or 'host', got {accumulate_on!r}")
@@ -446,7 +458,7 @@ def offload_cpu(step: Step, *, params: bool = False, pin_memory: bool = True,
     plan = as_plan(plan, "offload_cpu")
     check_delay(delay, delay_after, params, plan is not None or ratio is not None or budget is not None)
     return step.then(Offload(pin_memory, copy_grads_on_host, bool(params), plan, ratio, budget, rates, overlap,
-                             accumulate_on, delay, delay_after))
+                             accumulate_on, delay, delay_after, host_cores))
 
 
 def make_device_plan(spec, step, offload: Offload, p: Placement, plan, ratio, budget, rates) -> OffloadPlan:

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ...tree import Fault, UpdateFailed
+from .cores import pin_worker
 
 
 class Uploads:
@@ -91,9 +92,12 @@ class UnitDone:
 
 
 class UnitUpdates:
-    """The worker that runs offloaded updates a unit at a time (one per ``offload_cpu``)."""
+    """The worker that runs offloaded updates a unit at a time (one per ``offload_cpu``), pinned to
+    ``cores`` (zfunc.transforms.offload.cores; None: unpinned, its kernels as many threads as the
+    caller's)."""
 
-    def __init__(self):
+    def __init__(self, cores: list[int] | None = None):
+        self.cores = cores
         self._pool: ThreadPoolExecutor | None = None
         self._last: list[Future] = []
         self.waited_s = 0.0  # time readers spent waiting for units, since the last ``take_waited``
@@ -113,9 +117,9 @@ class UnitUpdates:
         (``names``: the units' names, for its error)."""
         self.drain()
         fault = Fault()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zfunc-host-update")
-        threads = torch.get_num_threads()  # the worker's kernels use as many threads as the caller's
+        pool = self._worker()
+        # the worker's kernels use a thread a core it is pinned to, else as many threads as the caller's
+        threads = len(self.cores) if self.cores else torch.get_num_threads()
         uploads.begin()
 
         def run(i):
@@ -134,10 +138,21 @@ class UnitUpdates:
 
         done = {}
         for i in order:
-            future = self._pool.submit(run, i)
+            future = pool.submit(run, i)
             self._last.append(future)
             done[i] = UnitDone(future, uploads, self, fault)
         return done
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="zfunc-host-update", initializer=pin_worker,
+                                            initargs=(self.cores,))
+        return self._pool
+
+    def on_worker(self, fn: Callable[[], object]) -> object:
+        """``fn()`` run on the worker thread, after the updates queued before it (what it sees there:
+        its cores, its threads)."""
+        return self._worker().submit(fn).result()
 
     def take_waited(self) -> float:
         waited, self.waited_s = self.waited_s, 0.0
