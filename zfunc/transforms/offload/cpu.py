@@ -50,7 +50,7 @@ from .delayed import check_delay, delayed_optimizer
 from .cores import resolve as resolve_cores
 from .host_update import UnitUpdates, Uploads
 from ..sinks import GradOffHome, with_grad_sink
-from .host_sums import HostSums, to_host
+from .host_sums import HostSums, side_copies, to_host
 from ...step import Step, expect_step
 from ...transform import Transform, check_inside_zero
 from ...tree import Params
@@ -58,14 +58,14 @@ from ...tree import Params
 
 class GradToHost(GradOffHome):
     """Each unit's reduced gradient is copied to host memory as its backward finishes (on CUDA
-    asynchronously, into pinned memory, so the copies overlap the rest of backward; on the CPU
-    it is the same tensor)."""
+    into pinned memory on a side stream, so the copies overlap the rest of backward:
+    ``SideCopies``; on the CPU it is the same tensor)."""
 
     def __init__(self, spec, pin: bool):
         super().__init__(spec)
         self.pin = pin
         self.grads: dict[int, torch.Tensor] = {}
-        self.copied = False
+        self.side = side_copies(pin)  # on CUDA the copies run on a stream of their own
 
     def _store(self, unit, g: torch.Tensor) -> None:
         self.take_home(unit.index, g)
@@ -73,13 +73,17 @@ class GradToHost(GradOffHome):
     def take_home(self, index: int, g: torch.Tensor) -> None:
         """Unit ``index``'s reduced gradient, copied home: from backward (``_store``) or from zf.jit's
         program, which reduced it itself (zfunc.traced hands a sink each gradient this way)."""
-        host = to_host(g, self.pin) if self.spec.placements[index].grad_home == CPU else g
-        self.copied |= host is not g
+        if self.spec.placements[index].grad_home != CPU:
+            host = g
+        elif self.side is not None and g.device.type == "cuda":
+            host = self.side.copy(g)
+        else:
+            host = to_host(g, self.pin)
         self.grads[index] = host
 
     def finish(self) -> Params:
-        if self.copied and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        if self.side is not None:
+            self.side.wait()  # the non-blocking copies have landed
         return Params(self.spec, [self.grads.get(i) for i in range(len(self.spec.sharded))])
 
 

@@ -32,6 +32,41 @@ def to_host(t, pin: bool):
     return out.copy_(t, non_blocking=pin)
 
 
+class SideCopies:
+    """Copies of device tensors into pinned host memory on a side stream (CUDA only).
+
+    A non-blocking copy queued on the compute stream still holds back every kernel queued after it;
+    on a stream of its own (which first waits for what the compute stream has queued) it overlaps
+    the rest of backward (DeepSpeed #8207 measured backward 18-28% faster for that alone). The
+    source is marked used by the side stream, so its memory is not reused before the copy has read
+    it. ``wait()``: every copy has landed."""
+
+    def __init__(self):
+        self._stream = None
+        self._queued = False
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        self._stream.wait_stream(torch.cuda.current_stream(t.device))
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        with torch.cuda.stream(self._stream):
+            out.copy_(t, non_blocking=True)
+        t.record_stream(self._stream)
+        self._queued = True
+        return out
+
+    def wait(self) -> None:
+        if self._queued:
+            self._stream.synchronize()
+            self._queued = False
+
+
+def side_copies(pin: bool) -> SideCopies | None:
+    """A ``SideCopies`` where copies can run beside compute (pinned memory, CUDA), else None."""
+    return SideCopies() if pin and torch.cuda.is_available() else None
+
+
 def _on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` lives off the CPU (a seam: tests stand CPU tensors in for device ones)."""
     return t.device.type != "cpu"
@@ -53,6 +88,7 @@ class HostSums(SumHome):
         self.copied = False  # some sum left the device for the host (grads() waits for the copies)
         self._adder = None  # the worker adding micro-batches into host sums (acc_home CPU)
         self._adds: list = []  # its adds in flight
+        self._side = side_copies(pin=True)  # the sums sent home in the last backward
 
     def _on_host(self, unit) -> bool:
         """Whether ``unit``'s sum lives in host memory: ``acc_home`` CPU, reduced every micro-batch."""
@@ -88,7 +124,7 @@ class HostSums(SumHome):
             self.uses_left[unit.index] = left
             if left == 0:
                 self.copied = True
-                return to_host(acc, pin=True)
+                return self._side.copy(acc) if self._side is not None else to_host(acc, pin=True)
         return acc
 
     def grads(self, sums: dict[int, torch.Tensor], n: int) -> list:
@@ -98,6 +134,6 @@ class HostSums(SumHome):
         if self._adder is not None:
             self._adder.shutdown()
             self._adder = None
-        if self.copied and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the sums sent home in backward have landed
+        if self.copied and self._side is not None:
+            self._side.wait()  # the sums sent home in backward have landed
         return super().grads(sums, n)
