@@ -1,6 +1,6 @@
 """A composition as plain data, and where it puts each unit: the estimator's reading of the ZeRO
 stages, mixed precision, accumulation and offload (zfunc.transforms), checked against the states
-they build (tests/estimate)."""
+they build (tests/estimator)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
