@@ -193,21 +193,36 @@ def split_by_dtype(model: nn.Module, paths: list[str]) -> list[str]:
 
 
 MAX_OWNER_PADDING = 0.5  # an owner layout may add at most this share of the unit's elements as padding
+BALANCE_BEAM = 32  # the owner layout's search keeps this many partial layouts (``owner_offsets``)
+BALANCE_MAX_ENTRIES = 512  # a unit with more entries is laid out in order, compactly (not by cost)
+BALANCE_WIDER = (1, 2, 4, 8, 16)  # shards this many 64ths wider than the smallest are tried too (``owner_offsets``)
+BALANCE_SLACK = 0.25  # a wider shard only while the busiest rank is above the mean by this share of the largest cost
 
 
-def _segment(params: list[tuple[str, torch.Tensor]], world: int, whole=None) -> Segment:
+def _segment(params: list[tuple[str, torch.Tensor]], world: int, whole=None,
+             load: list[float] | None = None) -> Segment:
     """The flat layout of ``params``: one after another, padded to a multiple of ``world``; or, where
     ``whole`` (a predicate on names) picks parameters an optimizer updates whole, the owner layout
-    (``owner_offsets``) when it costs at most ``MAX_OWNER_PADDING`` more elements."""
+    (``owner_offsets``) when it costs at most ``MAX_OWNER_PADDING`` more elements. ``load``: each
+    rank's cost so far (``whole.cost(name, shape)``, default the elements), which the owner layout
+    balances and adds this unit's to."""
     dtypes = {p.dtype for _, p in params}
     dtype = dtypes.pop() if dtypes else torch.float32
     sizes = [p.numel() for _, p in params]
     total = sum(sizes)
     offsets, padded = None, layout.padded_numel(total, world)
     if whole is not None and world > 1 and any(whole(name) for name, _ in params):
-        found = owner_offsets(sizes, [bool(whole(name)) for name, _ in params], world)
+        flags = [bool(whole(name)) for name, _ in params]
+        cost = getattr(whole, "cost", None)
+        costs = [float(cost(name, tuple(p.shape)) if cost is not None else p.numel()) if w else 0.0
+                 for (name, p), w in zip(params, flags)]
+        trial = None if load is None else list(load)
+        limit = padded + int(MAX_OWNER_PADDING * total)
+        found = owner_offsets(sizes, flags, world, costs, trial, limit)
         if found is not None and found[1] <= padded + MAX_OWNER_PADDING * total:
             offsets, padded = found
+            if load is not None:
+                load[:] = trial
     if offsets is None:
         offsets = [sum(sizes[:k]) for k in range(len(sizes))]
     entries = tuple(Entry(name, tuple(p.shape), o) for (name, p), o in zip(params, offsets))
@@ -215,11 +230,18 @@ def _segment(params: list[tuple[str, torch.Tensor]], world: int, whole=None) -> 
     return Segment(entries, dtype, end, padded)
 
 
-def owner_offsets(sizes: list[int], whole: list[bool], world: int) -> tuple[list[int], int] | None:
+def owner_offsets(sizes: list[int], whole: list[bool], world: int, costs: list[float] | None = None,
+                  load: list[float] | None = None, limit: int | None = None) -> tuple[list[int], int] | None:
     """Offsets, in order, that put each ``whole`` entry inside one of ``world`` equal shards (the others
     may cross), and the padded length ``world * n`` for the smallest shard ``n`` found; None if the
     layout cannot be cut so (no entry is whole). A whole entry that would cross a shard's end starts
-    at the next shard's, leaving a gap the flat buffer holds as zeros."""
+    at the next shard's, leaving a gap the flat buffer holds as zeros.
+
+    With ``costs`` (per entry, the update's cost of a whole one) and ``load`` (each rank's cost so
+    far, from the units laid out before; updated in place), the shard of each whole entry is chosen
+    to balance the ranks' costs (``_balance``): still in order and inside the same ``world * n``
+    elements (so the same padding), a whole entry may start at a later shard than the next free
+    element's, leaving a larger gap, so that the cost lands on the ranks with the least so far."""
     if not any(whole):
         return None
 
@@ -242,7 +264,67 @@ def owner_offsets(sizes: list[int], whole: list[bool], world: int) -> tuple[list
             lo = mid + 1
         else:
             hi = mid
-    return place(hi), world * hi
+    if costs is None or load is None or len(sizes) > BALANCE_MAX_ENTRIES:
+        return place(hi), world * hi
+    tried, even = [], False
+    for n in sorted({hi, *(-(-hi * (64 + k) // 64) for k in BALANCE_WIDER)}):  # wider shards: more freedom
+        if limit is not None and world * n > limit and n > hi:
+            continue
+        offsets, add = _balance(sizes, whole, world, n, costs, load)
+        after = [a + b for a, b in zip(load, add)]
+        tried.append((sorted(after, reverse=True), n, offsets, add))
+        even = max(after) <= sum(after) / world + BALANCE_SLACK * max(costs)
+        if even:
+            break  # even enough: the narrowest such (the least padding)
+    _, n, offsets, add = tried[-1] if even else min(tried, key=lambda t: (t[0], t[1]))
+    for r in range(world):
+        load[r] += add[r]
+    return offsets, world * n
+
+
+def _balance(sizes, whole, world: int, n: int, costs, load: list[float]) -> tuple[list[int], tuple[float, ...]]:
+    """Offsets in order within ``world`` shards of ``n`` elements, each whole entry inside one shard,
+    choosing each whole entry's shard so that the ranks' costs (``load`` plus this unit's) stay even:
+    a beam search over the entries in order, each partial layout scored by its ranks' costs sorted
+    from the largest (the least largest first), ties by the fewest elements used. Returns the offsets
+    and this unit's cost per rank. Deterministic: every rank lays the unit out alike."""
+    limit = world * n
+
+    def fits_from(k, pos):  # can entries k.. still be placed from pos (compactly)?
+        for size, w in zip(sizes[k:], whole[k:]):
+            if w and size and pos // n != (pos + size - 1) // n:
+                pos = -(-pos // n) * n
+            pos += size
+            if pos > limit:
+                return False
+        return True
+
+    states = [(0, (), (0.0,) * world)]  # (next free element, offsets so far, this unit's cost per rank)
+    for k, (size, w) in enumerate(zip(sizes, whole)):
+        grown = []
+        for pos, offs, add in states:
+            if not (w and size):
+                grown.append((pos + size, offs + (pos,), add))
+                continue
+            first = pos // n
+            starts = [(first, pos)] if (pos + size - 1) // n == first else []
+            starts += [(s, s * n) for s in range(first + 1, world)]
+            for s, at in starts:
+                if fits_from(k + 1, at + size):
+                    more = list(add)
+                    more[s] += costs[k]
+                    grown.append((at + size, offs + (at,), tuple(more)))
+        seen, states = set(), []
+        for st in sorted(grown, key=lambda st: (sorted((a + b for a, b in zip(load, st[2])), reverse=True), st[0],
+                                               st[1])):
+            key = (st[0], st[2])
+            if key not in seen:
+                seen.add(key)
+                states.append(st)
+                if len(states) == BALANCE_BEAM:
+                    break
+    pos, offsets, add = states[0]
+    return list(offsets), add
 
 
 def build_spec(model: nn.Module, units=None, world: int = 1, whole=None) -> ModelSpec:
@@ -269,6 +351,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1, whole=None) -> Mode
         first_name[id(p)] = name
         members[where].append((name, p))
     built, owner_of_first = [], {}
+    load = [0.0] * world  # each rank's cost of the whole parameters it owns so far (the owner layout's balance)
     for i, path in enumerate([""] + paths):
         trainable = [(n, p) for n, p in members[i] if p.requires_grad]
         frozen = [(n, p) for n, p in members[i] if not p.requires_grad]
@@ -276,7 +359,7 @@ def build_spec(model: nn.Module, units=None, world: int = 1, whole=None) -> Mode
             owner_of_first[n] = (len(built), p.requires_grad)
         if members[i] or located[i]:
             built.append(
-                Unit(path, _segment(trainable, world, whole), _segment(frozen, world), tuple(located[i]))
+                Unit(path, _segment(trainable, world, whole, load), _segment(frozen, world), tuple(located[i]))
             )
     owner = tuple(
         (name, owner_of_first[canonical.get(name, name)])

@@ -119,3 +119,18 @@ def test_mixed_precision_keeps_fp32_masters_and_state():
             if opt_name == "recipe":
                 for k, v in fp32.items():
                     assert (r["params"][k] - v).abs().max().item() < 0.05, k
+
+
+def _nvme_small_buffers() -> str:
+    try:
+        train(3, "recipe", offload={"kind": "nvme", "buffer_size": 64, "sub_group_size": 64})
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_offload_nvme_smaller_than_a_shard_is_refused_naming_the_knobs():
+    """A whole-tensor optimizer needs each unit's shard at once: offload_nvme streaming a unit in
+    64-element pieces is refused, saying which knobs to raise and to what (the largest shard)."""
+    message = workers(2).run(_nvme_small_buffers)[0]
+    assert "a piece at a time" in message and "sub_group_size >= 552" in message and "buffer_size >= 552" in message

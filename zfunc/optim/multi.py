@@ -27,6 +27,7 @@ import optree
 
 from .base import GradInfo, Optimizer, apply_update
 from .groups import leaf_names
+from .whole import WholeParams
 from ..pytree import NAMESPACE
 from ..tree import Params
 
@@ -91,8 +92,9 @@ def multi(transforms: Mapping[str, Optimizer], param_labels: Callable[[str], str
                                               lowp_params=lowp_params)
         return params, new
 
-    if whole:
-        init.whole = lambda name: labelled(name) in whole  # zfunc.optim.whole.whole_params
+    if whole:  # zfunc.optim.whole.whole_params: each parameter's cost is its own optimizer's
+        init.whole = WholeParams(lambda name: labelled(name) in whole,
+                                 lambda name, shape: opts[labelled(name)].init.whole.cost(name, shape))
     first = next(iter(transforms.values()))
     return Optimizer(init, update, fuses=True, lr=first.lr)
 

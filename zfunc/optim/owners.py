@@ -9,8 +9,10 @@ layout alone (so it is known when the state is made and at every update):
   is already whole there, and its updated values go back through the usual all-gather, with no
   collective of the optimizer's own. The step lays each unit out so (zfunc.tree's owner layout,
   ``owner_offsets``: the optimizer's whole parameters, from ``zfunc.optim.whole.whole_params``, each
-  kept inside one of the W equal shards, a gap of zeros before one that would cross a shard's end),
-  wherever that adds at most ``zfunc.tree.MAX_OWNER_PADDING`` of the unit's elements;
+  kept inside one of the W equal shards, a gap of zeros before one that would cross a shard's end,
+  each one's shard chosen so that the ranks' costs, ``whole_params(opt).cost(name, shape)``, stay
+  even across the units), wherever that adds at most ``zfunc.tree.MAX_OWNER_PADDING`` of the unit's
+  elements;
 * a parameter the shards still cut (a unit the layout could not cut cheaply: one smaller than its
   owners, one matrix larger than a fair shard) is given to the rank with the least work so far, largest first, where
   work is the optimizer's cost for that shape (Newton-Schulz's FLOPs for Muon) summed over what each

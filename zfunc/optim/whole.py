@@ -129,7 +129,8 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
         return params, WholeState(opt_state.count + 1, opt_state.steps, opt_state.shaped, opt_state.slots)
 
     init.restrict = lambda chosen: optimizer(rule, hyper, check, groups, chosen)  # zf.optim.multi's hook
-    init.whole = select or _every  # the parameters it updates whole (``whole_params``)
+    # the parameters it updates whole and their costs (``whole_params``)
+    init.whole = WholeParams(select or _every, lambda name, shape: rule.cost(shape))
     return Optimizer(init, update, fuses=True, lr=schedule_lr)
 
 
@@ -137,10 +138,25 @@ def _every(name: str) -> bool:
     return True
 
 
+class WholeParams:
+    """Which parameters an optimizer updates whole (called with a name) and what each one's update
+    costs (``cost(name, shape)``), which the owner layout balances over the ranks (zfunc.tree)."""
+
+    def __init__(self, chosen: Callable[[str], bool], cost: Callable[[str, tuple[int, ...]], float]):
+        self.chosen, self._cost = chosen, cost
+
+    def __call__(self, name: str) -> bool:
+        return bool(self.chosen(name))
+
+    def cost(self, name: str, shape: tuple[int, ...]) -> float:
+        return float(self._cost(name, tuple(shape)))
+
+
 def whole_params(optimizer) -> Callable[[str], bool] | None:
-    """Which parameters ``optimizer`` updates whole (a predicate on names), or None: the step lays
-    each unit out so that its shards end at their boundaries (zfunc.tree's owner layout). ``chain``
-    and ``zf.optim.multi`` pass on their members' (the ``init.whole`` each carries)."""
+    """Which parameters ``optimizer`` updates whole (a predicate on names, with ``cost(name, shape)``:
+    ``WholeParams``), or None: the step lays each unit out so that each such parameter lies inside
+    one shard, its owner's, with the ranks' costs balanced (zfunc.tree's owner layout). ``chain`` and
+    ``zf.optim.multi`` pass on their members' (the ``init.whole`` each carries)."""
     return getattr(getattr(optimizer, "init", None), "whole", None)
 
 
@@ -271,18 +287,26 @@ class _Owners:
 
 
 def _check_whole(rule, params, i: int, leaf) -> None:
-    """A leaf is the unit's whole home part (its shard, or all of it), not a piece of it."""
+    """A leaf is the unit's whole home part (its shard, or all of it), not a piece of it: offload_nvme
+    with a ``sub_group_size`` or ``buffer_size`` below a unit's shard hands the update pieces, and a
+    whole-tensor update needs each parameter whole (refused, naming both knobs and the size to give)."""
     if not isinstance(params, Params):
         return
     spec = params.spec
-    seg = spec.segment(i)
-    home = seg.padded // dist.world_size(_group(params)) if spec.sharded[i] else seg.padded
-    if leaf.numel() != home:
+    w = dist.world_size(_group(params))
+
+    def home(k):
+        seg = spec.segment(k)
+        return seg.padded // w if spec.sharded[k] else seg.padded
+
+    if leaf.numel() != home(i):
+        largest = max(home(k) for k in range(len(spec.sharded)))
         raise NotImplementedError(
             f"{rule.name}: unit {spec.model.units[i].name or '<root>'!r} is updated a piece at a time "
-            f"({leaf.numel()} of its {home} elements: offload_nvme's sub_group_size or buffer_size is smaller than "
-            "its shard); a whole-tensor optimizer needs each shard at once: raise both to at least the largest "
-            "unit's shard")
+            f"({leaf.numel()} of its {home(i)} elements: offload_nvme's sub_group_size or buffer_size is smaller "
+            f"than its shard), but a whole-tensor optimizer needs each parameter whole, so each unit's shard at "
+            f"once: give offload_nvme sub_group_size >= {largest} and buffer_size >= {largest} (elements: the "
+            "largest unit's shard), or use offload_cpu")
 
 
 def _group(params: Params):
