@@ -31,7 +31,7 @@ import torch.distributed
 from torch import nn
 from torch.func import functional_call
 
-from . import compiled, dist, layout, lazy
+from . import compiled, dist, layout, lazy, recompute_units
 from . import coordinator as coordination
 from .materialize import Materializer, Tracker
 from .placement import grad_is_shard
@@ -46,14 +46,17 @@ class ParamView(Mapping):
     weight) stays materialized until ``loss_fn`` returns.
     """
 
-    def __init__(self, spec: ModelSpec, trainable: Materializer, frozen: Materializer | None, buffers: Mapping[str, torch.Tensor]):
+    def __init__(self, spec: ModelSpec, trainable: Materializer, frozen: Materializer | None, buffers: Mapping[str, torch.Tensor],
+                 recompute: recompute_units.Policy | None = None):
         self.spec = spec
+        self.recompute = recompute  # zf.recompute: the units whose modules run under checkpointing
         self._groups = {True: trainable, False: frozen}
         self.buffers = dict(buffers)
         self._scopes: list[list[tuple[Materializer, int]]] = [[]]
         self._checked: set[int] = set()
         self._own_params: list = []  # a model's own parameters, out while stand-ins resolve (free_model=False)
         self._wrapped: dict[int, Callable] = {}  # compiled blocks attached for this step -> what detaches them
+        self._recomputed: dict[int, Callable] = {}  # modules under zf.recompute's checkpointing -> what puts them back
         self.running: str | None = None  # the unit whose module runs (last entered), for compile errors
         # mixed precision: floating-point inputs of zf.apply take the compute dtype (as FSDP2's
         # cast_forward_inputs), so a float32 batch runs in the model's dtype
@@ -93,13 +96,13 @@ class ParamView(Mapping):
         self._scopes = [[]]
 
     def restore_models(self) -> None:
-        """Give models that kept their parameters their own tensors back, and compiled blocks
-        their own compiled code."""
+        """Give models that kept their parameters their own tensors back, compiled blocks their
+        own compiled code, and recomputed units their own forward."""
         lazy.restore_parameters(self._own_params)
         self._own_params = []
-        for unwrap in self._wrapped.values():
+        for unwrap in (*self._wrapped.values(), *self._recomputed.values()):
             unwrap()
-        self._wrapped = {}
+        self._wrapped, self._recomputed = {}, {}
 
     def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
         root, handles = self.hook_units(model)
@@ -147,6 +150,13 @@ class ParamView(Mapping):
                     self._wrapped[id(module)] = fill.hook(module) if compiled.is_wrapped(module) else fill.wrap(module)
             else:
                 handles.append(_UnitSlots(self, name, slots).hook(module))
+        if self.recompute is not None and torch.is_grad_enabled():
+            try:  # until restore_models: a checkpoint of the user's around a unit recomputes it through this
+                recompute_units.wrap(sites, self.recompute, self._recomputed)
+            except BaseException:
+                for h in handles:
+                    h()
+                raise
         return root, handles
 
 
@@ -326,15 +336,17 @@ def grad_spec(spec: ParamsSpec) -> ParamsSpec:
 
 
 @contextlib.contextmanager
-def materialized(params: Params, frozen: Params | None, buffers: Mapping, *, differentiable: bool):
+def materialized(params: Params, frozen: Params | None, buffers: Mapping, *, differentiable: bool,
+                 recompute: recompute_units.Policy | None = None):
     """The set-up every step shares: units of ``params`` (and ``frozen``) ready to
-    materialize on access, the ``ParamView`` handed to ``loss_fn``, its tracker."""
+    materialize on access, the ``ParamView`` handed to ``loss_fn``, its tracker. ``recompute``:
+    the units ``zf.recompute`` runs under activation checkpointing."""
     tracker = Tracker()
     coordinator = coordination.current()
     tracker.run = None if coordinator is None else coordinator.begin(params.spec.model)
     trainable = Materializer(params, tracker, differentiable=differentiable)
     frozen_units = Materializer(frozen, tracker, kind="f") if frozen is not None else None
-    view = ParamView(params.spec.model, trainable, frozen_units, buffers or {})
+    view = ParamView(params.spec.model, trainable, frozen_units, buffers or {}, recompute)
     if tracker.run is not None:
         tracker.run.start()
     abandon = False
@@ -392,11 +404,13 @@ def merge_live(*records) -> dict[int, tuple[bool | None, ...]] | None:
     return out
 
 
-def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
+def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False,
+                              recompute: recompute_units.Policy | None = None):
     """``value_and_grad`` that also returns the peak bytes of units materialized at once.
 
     A unit this rank did not use gets a ``None`` gradient (the caller decides
-    with the other ranks whether anyone used it).
+    with the other ranks whether anyone used it). ``recompute``: the units whose
+    activations backward recomputes (``zf.recompute``).
     """
 
     def run(params, batch, *, frozen: Params | None = None, buffers: Mapping | None = None, scale=None, sink=None):
@@ -404,7 +418,7 @@ def value_and_grad_with_stats(loss_fn: Callable, has_aux: bool = False):
         ``sink`` (zfunc.transforms.sinks) takes each unit's gradient instead of autograd."""
         if not isinstance(params, Params):
             return GradOut(*_plain_value_and_grad(loss_fn, has_aux, params, batch), 0)
-        with materialized(params, frozen, buffers, differentiable=True) as (view, tracker, anchors):
+        with materialized(params, frozen, buffers, differentiable=True, recompute=recompute) as (view, tracker, anchors):
             tracker.sink = sink
             loss, aux = loss_and_aux(forward(loss_fn, view, tracker, batch), has_aux)
             with lazy.resolving(tracker):

@@ -174,8 +174,13 @@ class Step:
         return opt
 
     def _grad_part(self):
-        fn = next((f for t in self.transforms if (f := t.grad_part(self.loss_fn, self.has_aux)) is not None),
-                  None) or value_and_grad_with_stats(self.loss_fn, self.has_aux)
+        recompute = self._setting("recompute")
+        fn = next((f for t in self.transforms if (f := t.grad_part(self.loss_fn, self.has_aux)) is not None), None)
+        if fn is not None and recompute is not None:
+            raise ValueError(f"{self.composition}: a step whose gradient part is one compiled program (zf.jit) "
+                             "cannot recompute units eagerly; drop zf.recompute (zf.jit(step, regather=True) "
+                             "recomputes the gathers) or zf.jit (compile the blocks instead)")
+        fn = fn or value_and_grad_with_stats(self.loss_fn, self.has_aux, recompute)
         for t in reversed(self.transforms):
             fn = t.wrap_grad(fn)
         return fn

@@ -48,6 +48,7 @@ class Transform:
     unit_policy = None  # the unit policy (zf.units)
     loss_scaler = None  # fp16's LossScaler: the step scales the loss and may skip
     accumulates = False  # the gradient part sums micro-batches (in fp32)
+    recompute = None  # the units whose activations backward recomputes (zf.recompute: zfunc.recompute_units.Policy)
 
     def describe(self, inner: str) -> str:
         return f"{self.name}({inner})"

@@ -8,6 +8,7 @@ from .offload.cpu import offload_cpu
 from .offload.nvme import offload_nvme
 from .offload.planning import plan_offload
 from .precision import mixed_precision
+from .recompute import recompute
 from .zero import zero1, zero2, zero3
 
-__all__ = ["LossScaler", "accumulate", "jit", "mixed_precision", "offload_cpu", "offload_nvme", "plan_offload", "zero1", "zero2", "zero3"]
+__all__ = ["LossScaler", "accumulate", "jit", "mixed_precision", "offload_cpu", "offload_nvme", "plan_offload", "recompute", "zero1", "zero2", "zero3"]

@@ -1,0 +1,216 @@
+"""zf.recompute: each unit's activations recomputed in backward. Equal to plain PyTorch with
+torch.utils.checkpoint around the same blocks (fp32, relative 1e-5) under every stage, clipping,
+accumulation and offload; bit for bit the same step without it under every composition of
+tests/harness/compositions.py (precision too); backward runs each unit again; only the unit
+boundaries are saved; where it may go and what it refuses."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zfunc as zf
+from assertions import assert_close_to
+from compositions import COMPOSITIONS
+from models import MODEL_KW, batch, build
+from recompute import checkpoint_units, reference, run, unit_modules
+from workers import workers
+
+FP32 = [n for n, c in COMPOSITIONS.items() if "precision" not in c]
+FAST_FP32 = ["zero0", "zero3", "zero3-clip", "zero2-accumulate", "zero3-offload_cpu", "zero3-offload_nvme"]
+LOW = [n for n in COMPOSITIONS if n not in FP32]
+FAST_LOW = ["zero3-bf16-accumulate-offload_cpu", "zero1-fp16"]
+
+
+def _slow_unless(names):
+    return lambda n: n if n in names else pytest.param(n, marks=pytest.mark.slow)
+
+
+def _runs_again(plain: dict, recomputed: dict, model: nn.Module) -> None:
+    """Each leaf module inside a unit ran twice as often as without recomputation (forward, then
+    backward again), the root's as often."""
+    inside = tuple(p + "." for p in unit_modules(model))
+    assert plain.keys() == recomputed.keys()
+    for path, n in plain.items():
+        assert recomputed[path] == (2 * n if path.startswith(inside) else n), (path, n, recomputed[path])
+
+
+@pytest.mark.parametrize("composition", [_slow_unless(FAST_FP32)(n) for n in FP32])
+def test_equals_plain_pytorch_with_checkpointed_blocks(composition, tmp_path):
+    """fp32 at W = 2: parameters and losses within 1e-5 of plain PyTorch whose blocks run under
+    checkpoint(..., use_reentrant=False), for models with a tied head, user checkpointing of their
+    own, weights read outside their unit."""
+    spec = COMPOSITIONS[composition]
+    for name in ("deep_mlp", "checkpointed", "external"):
+        kw = MODEL_KW[name]
+        expected = reference(name, kw, steps=3, batch_size=4, clip=spec.get("clip"))
+        for r in workers(2).run(run, name, kw, composition, True, 3, 2, 0, str(tmp_path)):
+            assert r["composition"].startswith("recompute(")
+            assert_close_to(r["params"], expected["params"])
+            assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+            # backward ran what plain PyTorch's checkpoints run again, once a micro-batch
+            assert r["calls"] == {k: n * spec.get("micro", 1) for k, n in expected["calls"].items()}
+
+
+@pytest.mark.parametrize("composition", [_slow_unless(FAST_LOW + ["zero3-offload_nvme", "zero2-accumulate"])(n)
+                                         for n in COMPOSITIONS])
+def test_bit_for_bit_the_step_without_it(composition, tmp_path):
+    """Recomputation changes no arithmetic: every composition (bf16, fp16's loss scale, offload to
+    CPU and NVMe, accumulation) gives the parameters and losses of the same step without it, bit for
+    bit, at W = 2; recompute innermost here (the previous test puts it outermost)."""
+    kw = MODEL_KW["deep_mlp"]
+    where = "outer" if "clip" in COMPOSITIONS[composition] else "inner"
+    plain = workers(2).run(run, "deep_mlp", kw, composition, False, 2, 2, 0, str(tmp_path))
+    again = workers(2).run(run, "deep_mlp", kw, composition, True, 2, 2, 0, str(tmp_path), where)
+    for a, b in zip(plain, again):
+        assert a["params"].keys() == b["params"].keys()
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
+        assert a["losses"] == b["losses"]
+        _runs_again(a["calls"], b["calls"], build("deep_mlp", **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "reusing"])
+def test_equals_plain_pytorch_for_more_models(name):
+    """A GPT with a tied head, blocks applied thrice a forward: zero3 at W = 2."""
+    kw = MODEL_KW.get(name, {})
+    expected = reference(name, kw, steps=3, batch_size=4)
+    for r in workers(2).run(run, name, kw, "zero3", True, 3, 2):
+        assert_close_to(r["params"], expected["params"])
+        assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert r["calls"] == expected["calls"]
+
+
+# ------------------------------------------------------------------ what backward keeps
+
+
+class Chain(nn.Module):
+    """Blocks whose outputs the root's tanh saves: with recomputation, the unit boundaries are all
+    autograd keeps."""
+
+    def __init__(self, d: int = 8, depth: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                    for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def _saved_bytes(run_model):
+    """Bytes of the distinct tensors autograd saves while ``run_model()`` runs (a tensor saved twice,
+    as a block's output that the next block's checkpoint keeps as its input, counted once), and
+    what ``run_model`` returned."""
+    saved = {}
+
+    def pack(t):
+        saved[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_model()
+    return sum(saved.values()), out
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_only_the_unit_boundaries_are_saved(recompute):
+    """Counted with saved_tensors_hooks around zf.apply: without recomputation the blocks' inputs,
+    GELU's and the weights are saved, as plain PyTorch saves them; with it only the unit
+    boundaries, each block's input and the last one's output (B x d floats each), as plain PyTorch
+    with checkpointed blocks. The step's result is plain PyTorch's either way."""
+    torch.manual_seed(0)
+    b, d, depth = 16, 8, 3
+    model, plain = Chain(d, depth), Chain(d, depth)
+    plain.load_state_dict(model.state_dict())
+    if recompute:
+        checkpoint_units(plain)
+    x = torch.randn(b, d)
+    counted = {}
+
+    def loss_fn(params, x):
+        counted["bytes"], out = _saved_bytes(lambda: zf.apply(model, params, x))
+        return out.square().mean()
+
+    step = zf.train_step(loss_fn, zf.optim.sgd(0.1))
+    step = zf.recompute(step) if recompute else step
+    state = step.init(model)
+    state, metrics = step(state, x)
+    expected, out = _saved_bytes(lambda: plain(x))
+    assert counted["bytes"] == expected
+    boundaries = (depth + 1) * b * d * 4
+    if recompute:
+        assert expected == boundaries
+    else:  # GELU's input and output (B x 4d each) in every block, at least
+        assert expected > boundaries + depth * 2 * b * 4 * d * 4
+    out.square().mean().backward()
+    assert_close_to(zf.gather_params(state), {k: p - 0.1 * p.grad for k, p in plain.named_parameters()})
+
+
+# ------------------------------------------------------------------ choice of units, composition
+
+
+def test_units_chooses_which_blocks_and_the_root_runs_once():
+    """units=[names] or a predicate: only those blocks run again in backward; the state is the
+    same with or without recompute (shapes_state is False), so one state serves both steps."""
+    name, kw = "deep_mlp", MODEL_KW["deep_mlp"]
+    model = build(name, **kw)
+    calls = {}
+    for i, block in enumerate(model.blocks):
+        calls[i] = 0
+        block[1].register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+
+    def loss_fn(params, b):
+        return F.mse_loss(zf.apply(model, params, b[0]), b[1])
+
+    base = zf.zero3(zf.train_step(loss_fn, zf.optim.adamw(1e-3)))
+    every_other = zf.zero3(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(1e-3)),
+                                        units=lambda n, m: n in ("blocks.0", "blocks.2")))
+    named = zf.zero3(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(1e-3)), units=["blocks.1"]))
+    assert every_other.composition == "zero3(recompute(train_step, <lambda>))"
+    assert named.composition == "zero3(recompute(train_step, ['blocks.1']))"
+    state = base.init(model)
+    shape = build(name, **kw)
+    for step, twice in ((every_other, {0, 2}), (named, {1}), (base, set())):
+        for i in calls:
+            calls[i] = 0
+        state, _ = step(state, batch(name, shape, 0, 4))
+        assert calls == {i: 2 if i in twice else 1 for i in calls}
+
+
+def test_anywhere_once_and_not_under_jit():
+    f = zf.train_step(lambda p, b: 0, zf.optim.sgd(0.1))
+    assert zf.zero3(zf.recompute(zf.offload_cpu(f))).composition == "zero3(recompute(offload_cpu(train_step)))"
+    assert zf.recompute(zf.zero2(f)).composition == "recompute(zero2(train_step))"
+    with pytest.raises(ValueError, match="already applied"):
+        zf.recompute(zf.zero3(zf.recompute(f)))
+    with pytest.raises(TypeError, match="unit names or a predicate"):
+        zf.recompute(f, units=[0, 1])
+    with pytest.raises(TypeError, match="transforms a zfunc Step"):
+        zf.recompute(lambda s, b: s)
+    model = build("deep_mlp", **MODEL_KW["deep_mlp"])
+    step = zf.jit(zf.recompute(zf.train_step(lambda p, b: zf.apply(model, p, b).sum(), zf.optim.sgd(0.1))))
+    state = step.init(model)
+    with pytest.raises(ValueError, match="cannot recompute units eagerly"):
+        step(state, torch.randn(2, MODEL_KW["deep_mlp"]["d_in"]))
+
+
+def test_eval_step_and_no_grad_run_plain_and_forward_comes_back():
+    """An eval step of a recomputed train step's state runs no checkpoint; after a step the
+    model's modules have their own forward again."""
+    kw = MODEL_KW["deep_mlp"]
+    model = build("deep_mlp", **kw)
+    own = [type(b).forward for b in model.blocks]
+
+    def loss_fn(params, b):
+        return F.mse_loss(zf.apply(model, params, b[0]), b[1])
+
+    step = zf.zero3(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(1e-3))))
+    state = step.init(model)
+    b = batch("deep_mlp", build("deep_mlp", **kw), 0, 4)
+    state, metrics = step(state, b)
+    assert all("forward" not in blk.__dict__ for blk in model.blocks)
+    assert [type(blk).forward for blk in model.blocks] == own
+    ev = zf.zero3(zf.eval_step(loss_fn))(state, b)
+    assert torch.isfinite(ev["loss"])
