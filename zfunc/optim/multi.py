@@ -11,10 +11,13 @@
 ``model.named_parameters()`` gives them; in a plain pytree, the leaf's path joined with dots). Each
 parameter is updated by its label's optimizer only, equal to the torch optimizers side by side, each
 over its own parameters. A whole-tensor optimizer (muon, adafactor, ``from_torch``) is made over its
-own parameters (its state holds nothing for the others); an elementwise one (adamw, adam, sgd) runs
-over the flat buffers with the other labels' parameters marked as without gradient
-(``GradInfo.live``), so they get no update, no decay and no step count from it; its state is laid
-out like every parameter (the moments of the others stay zero).
+own parameters (it updates, counts and keeps slots for those only); an elementwise one (adamw, adam,
+sgd) runs over the flat buffers with the other labels' parameters marked as without gradient
+(``GradInfo.live``), so they get no update, no decay and no step count from it. Both keep the state
+that is laid out like the parameters (AdamW's moments, Muon's momentum) over every unit's flat
+buffer, the others' parameters included (their entries stay zero): checkpoints, offload and
+resharding read such state by the parameters' layout. (Not yet: each member's state for its own
+parameters only, docs/optim.md.)
 
 The state is a dict from label to that optimizer's state.
 """
