@@ -14,6 +14,7 @@ from .checkpoint import iter_weights
 from .engine import Engine, RepeatingLoader
 from .estimator import estimate
 from .initialization import initialize
+from .losses import chunked_cross_entropy
 from .old_paths import install as _install_old_paths, old_attribute as __getattr__
 from .pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from .grad import apply, grad, value_and_grad
@@ -29,7 +30,7 @@ from .transforms import (LossScaler, accumulate, jit, mixed_precision, offload_c
 from .tree import Params, UpdateFailed, compile_units
 
 __all__ = [
-    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "compile_units", "dist", "estimate", "eval_step",
+    "CompileError", "CompileWarning", "Engine", "GraphBreakWarning", "LayerSpec", "LossScaler", "OffloadPlan", "PipelineModule", "Rates", "TiedLayerSpec", "OrderChangedWarning", "RepeatingLoader", "initialize", "Placement", "RanksDivergedError", "RankUnresponsiveError", "State", "Step", "Params", "UpdateFailed", "accumulate", "apply", "bind", "checkpoint", "chunked_cross_entropy", "compile_units", "dist", "estimate", "eval_step",
     "gather_params", "grad", "iter_weights", "jit", "memory_report", "mixed_precision", "offload_cpu", "offload_nvme", "offload_states", "OffloadedState", "StateOffloaded", "reload_states", "optim", "pipeline", "plan_offload", "recompute", "swap", "testing", "train_step", "units",
     "value_and_grad", "zero1", "zero2", "zero3",
 ]

@@ -1,0 +1,269 @@
+"""zf.chunked_cross_entropy: F.cross_entropy(hidden @ weight.T, labels) in value and gradients
+(fp32 within 1e-5; bf16 within a few unit roundoffs of the exact loss, as F.cross_entropy itself),
+over drawn shapes, chunk sizes and ignored tokens; no tensor larger than a chunk's logits ever made
+and only the inputs and a float a token saved; inside a zero3 step (with zf.recompute and offload)
+where the head is a zfunc parameter, tied to the embedding or not, equal to plain PyTorch."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import zfunc as zf
+from assertions import UNIT_ROUNDOFF, assert_close_to
+from models import local
+from workers import workers
+
+
+@st.composite
+def problems(draw):
+    """hidden (lead..., d), weight (V, d), labels with some tokens ignored, a chunk size."""
+    lead = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=2)))
+    d, vocab = draw(st.integers(1, 10)), draw(st.integers(2, 40))
+    chunk = draw(st.integers(1, 30))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 31)))
+    hidden = torch.randn(*lead, d, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, d, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.1, 1.0, 3.0]))
+    labels = torch.randint(0, vocab, lead, generator=g)
+    ignored = torch.rand(lead, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.9]))
+    labels[ignored] = -100
+    labels.view(-1)[0] = 1  # one token counts at least (all ignored: test_all_ignored)
+    return hidden, weight, labels, chunk
+
+
+def _loss_and_grads(fn, hidden, weight, labels, dtype):
+    h = hidden.to(dtype).detach().requires_grad_()
+    w = weight.to(dtype).detach().requires_grad_()
+    loss = fn(h, w, labels)
+    loss.backward()
+    return loss.detach().double(), h.grad.double(), w.grad.double()
+
+
+def _plain(h, w, labels, reduction="mean"):
+    return F.cross_entropy((h @ w.T).flatten(0, -2), labels.flatten(), reduction=reduction)
+
+
+def _chunked(chunk, reduction="mean"):
+    return lambda h, w, labels: zf.chunked_cross_entropy(h, w, labels, chunk_size=chunk, reduction=reduction)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(["mean", "sum"]))
+def test_equals_cross_entropy_of_the_full_logits_in_fp32(problem, reduction):
+    hidden, weight, labels, chunk = problem
+    got = _loss_and_grads(_chunked(chunk, reduction), hidden, weight, labels, torch.float32)
+    want = _loss_and_grads(lambda h, w, y: _plain(h, w, y, reduction), hidden, weight, labels, torch.float32)
+    for g, e in zip(got, want):
+        scale = e.abs().max().item()
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * scale + 1e-30)
+
+
+def _exact_in_fp64(hidden, weight, labels):
+    """The exact loss and gradients of the bf16 values of ``hidden`` and ``weight``, and the sizes of
+    what their rounding is relative to: the largest logit, and the terms each gradient's products add."""
+    h = hidden.to(torch.bfloat16).double().requires_grad_()
+    w = weight.to(torch.bfloat16).double().requires_grad_()
+    logits = h @ w.T
+    logits.retain_grad()
+    loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten())
+    loss.backward()
+    g = logits.grad.abs().flatten(0, -2)
+    return (loss.detach(), h.grad, w.grad), (1 + logits.abs().max(), (g @ w.abs()).max(),
+                                             (g.T @ h.abs().flatten(0, -2)).max())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_bf16_within_the_bound_of_f_cross_entropy(problem):
+    """bf16 inputs, against the exact (fp64) loss of those same bf16 values: the loss and each
+    gradient no further off than F.cross_entropy on the full bf16 logits is, or than a few unit
+    roundoffs of the terms they add up (the loss: 4 u of 1 + the largest logit, whose rounding it
+    inherits; a gradient: 8 u of its products' terms, |dlogits| @ |weight| or |dlogits|.T @ |hidden|),
+    where that one happens to land closer. The fp32 softmax usually makes it closer than
+    F.cross_entropy, whose log-softmax and gradient are rounded to bf16."""
+    hidden, weight, labels, chunk = problem
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    exact, sizes = _exact_in_fp64(hidden, weight, labels)
+    ours = _loss_and_grads(_chunked(chunk), hidden, weight, labels, torch.bfloat16)
+    plain = _loss_and_grads(_plain, hidden, weight, labels, torch.bfloat16)
+    for what, o, p, e, size, c in zip(("loss", "hidden's gradient", "weight's gradient"), ours, plain, exact, sizes,
+                                      (4, 8, 8)):
+        err, plain_err = (o - e).abs().max(), (p - e).abs().max()
+        assert err <= max(plain_err, c * u * size) + 1e-30, (what, err.item(), plain_err.item(), c * u * size.item())
+
+
+def test_all_ignored_and_the_loss_dtype():
+    """No token counts: NaN loss and zero gradients, as F.cross_entropy; the loss is fp32 for
+    bf16 inputs (its arithmetic is fp32)."""
+    hidden, weight, labels = torch.randn(3, 4, 5, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64), \
+        torch.full((3, 4), -100)
+    got = _loss_and_grads(_chunked(5), hidden, weight, labels, torch.float32)
+    want = _loss_and_grads(_plain, hidden, weight, labels, torch.float32)
+    assert got[0].isnan() and want[0].isnan()
+    assert all(torch.equal(g, e) for g, e in zip(got[1:], want[1:]))
+    assert zf.chunked_cross_entropy(hidden.bfloat16(), weight.bfloat16(), labels + 101).dtype == torch.float32
+
+
+def test_refuses_what_f_cross_entropy_would_not_compute():
+    h, w, y = torch.randn(4, 5), torch.randn(7, 5), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="must share d"):
+        zf.chunked_cross_entropy(h, torch.randn(7, 4), y)
+    with pytest.raises(ValueError, match="labels must be integers shaped like hidden"):
+        zf.chunked_cross_entropy(h, w, torch.zeros(4, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels must be integers"):
+        zf.chunked_cross_entropy(h, w, torch.zeros(4))
+    with pytest.raises(ValueError, match="share a dtype"):
+        zf.chunked_cross_entropy(h, w.double(), y)
+    with pytest.raises(ValueError, match="chunk_size"):
+        zf.chunked_cross_entropy(h, w, y, chunk_size=0)
+    with pytest.raises(ValueError, match="reduction"):
+        zf.chunked_cross_entropy(h, w, y, reduction="none")
+
+
+# ------------------------------------------------------------------ memory
+
+
+class _Largest(TorchDispatchMode):
+    """The bytes of the largest tensor any op makes while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.bytes = max(self.bytes, t.numel() * t.element_size())
+        return out
+
+
+def _measured(fn, n, d, vocab):
+    torch.manual_seed(0)
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(vocab, d, requires_grad=True)
+    y = torch.randint(0, vocab, (n,))
+    saved = {}
+
+    def pack(t):
+        saved[(t.data_ptr(), t.numel(), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with _Largest() as largest:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = fn(h, w, y)
+        loss.backward()
+    return largest.bytes, sum(saved.values())
+
+
+def test_no_tensor_beyond_a_chunk_of_logits_and_a_float_a_token_saved():
+    """96 tokens, vocabulary 64, chunks of 8: forward and backward make no tensor larger than the
+    largest of a chunk's fp32 logits, hidden and the weight's gradient (the full logits are 12x a
+    chunk's, and F.cross_entropy's path does make them); autograd keeps hidden, the weight, the
+    labels (int64 and their mask) and one fp32 log-sum-exp a token."""
+    n, d, vocab, chunk = 96, 8, 64, 8
+    largest, saved = _measured(lambda h, w, y: zf.chunked_cross_entropy(h, w, y, chunk_size=chunk), n, d, vocab)
+    assert largest <= max(chunk * vocab, n * d, vocab * d) * 4 < n * vocab * 4
+    assert saved == n * d * 4 + vocab * d * 4 + n * 8 + n * 1 + n * 4 + 4
+    plain_largest, plain_saved = _measured(lambda h, w, y: F.cross_entropy(h @ w.T, y), n, d, vocab)
+    assert plain_largest >= n * vocab * 4 and plain_saved >= n * vocab * 4
+
+
+# ------------------------------------------------------------------ in a zfunc step
+
+
+class TinyLM(nn.Module):
+    """Embedding, residual blocks, a final norm; the LM head applied by the loss: ``head`` tied to the
+    embedding (``"tied"``), its own weight in the root unit (``"root"``), or a unit of its own that
+    only the loss reads (``"unit"``: ``heads.0``, gathered there and again in backward)."""
+
+    def __init__(self, vocab: int = 23, d: int = 8, layers: int = 2, head: str = "tied"):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.Tanh()) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        linear = nn.Linear(d, vocab, bias=False)
+        if head == "tied":
+            linear.weight = self.tok.weight
+        if head == "unit":
+            self.heads = nn.ModuleList([linear])
+        else:
+            self.head = linear
+        self.head_name = "heads.0.weight" if head == "unit" else "head.weight"
+
+    def head_weight(self):
+        return self.get_parameter(self.head_name)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.ln(x)
+
+
+def _tokens(step: int, world: int):
+    """The global batch: (tokens, labels) with ignored positions, as many on each rank's half."""
+    g = torch.Generator().manual_seed(step)
+    idx = torch.randint(0, 23, (2 * world, 7), generator=g)
+    labels = torch.randint(0, 23, (2 * world, 7), generator=g)
+    labels[:, :2] = -100  # a prompt the loss ignores
+    return idx, labels
+
+
+def chunked_lm_run(head: str, composition: str, read: str, steps: int = 3) -> dict:
+    """``steps`` steps on this rank's half, the loss zf.chunked_cross_entropy over the head's weight
+    (``read``: from the ParamView by name, or through the model's stand-in)."""
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    torch.manual_seed(0)
+    model = TinyLM(head=head)
+
+    def loss_fn(params, b):
+        idx, labels = b
+        head = params[model.head_name] if read == "params" else model.head_weight()
+        return zf.chunked_cross_entropy(zf.apply(model, params, idx), head, labels, chunk_size=5)
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-3, weight_decay=0.01))
+    if composition == "recompute-offload":
+        step = zf.zero3(zf.offload_cpu(zf.recompute(step)))
+    else:
+        step = zf.zero3(step)
+    state = step.init(model)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, local(_tokens(i, world), rank, world))
+        losses.append(metrics["loss"].item())
+    return {"params": zf.gather_params(state), "losses": losses}
+
+
+def _reference(head: str, world: int, steps: int = 3) -> dict:
+    """Plain PyTorch, the full logits: each rank's half's mean loss, averaged over the halves (what
+    the ranks' gradients average to), torch.optim.AdamW."""
+    torch.manual_seed(0)
+    model = TinyLM(head=head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for i in range(steps):
+        b = _tokens(i, world)
+        halves = [local(b, r, world) for r in range(world)]
+        opt.zero_grad()
+        loss = sum(F.cross_entropy((model(idx) @ model.head_weight().T).flatten(0, 1), y.flatten())
+                   for idx, y in halves) / world
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses}
+
+
+@pytest.mark.parametrize("head", ["tied", "root", "unit"])
+@pytest.mark.parametrize("composition,read", [("zero3", "params"), ("zero3", "stand-in"),
+                                              ("recompute-offload", "params")])
+def test_in_a_zero3_step_equals_plain_pytorch(head, composition, read):
+    """W = 2, fp32, relative 1e-5: the head's weight gathered by zfunc (tied: the embedding's, in
+    the root unit; or a unit only the loss reads), saved by the loss for backward as a handle and
+    re-gathered there; read by name from the ParamView or through the model's stand-in."""
+    expected = _reference(head, 2)
+    for r in workers(2).run(chunked_lm_run, head, composition, read):
+        assert_close_to(r["params"], expected["params"])
+        assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)

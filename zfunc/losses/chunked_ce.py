@@ -1,0 +1,103 @@
+"""Cross-entropy over an LM head, a chunk of tokens at a time: the logits never exist whole.
+
+``F.cross_entropy(hidden @ weight.T, labels)`` holds tokens x vocabulary logits in forward and
+their gradient in backward (for 8k tokens and a 128k vocabulary, 4 GiB in fp32 each), more than a
+whole block's activations; under ``zf.recompute`` and offload they bound the micro-batch. Here
+forward computes each chunk's logits, keeps only each token's log-sum-exp (one float a token) and
+drops them; backward computes each chunk's logits again from the saved ``hidden`` and ``weight``
+and turns them into that chunk's gradients at once. Peak memory beyond the inputs is one chunk's
+logits (``chunk_size`` x vocabulary, fp32) and the weight's fp32 gradient.
+
+The arithmetic is ``F.cross_entropy``'s: logits in the inputs' dtype (as the matrix product a model
+computes), softmax and the loss in fp32, the logits' gradient cast back to the inputs' dtype for the
+two products; the weight's gradient adds up in fp32 across chunks. The weight may be a zfunc
+parameter under ZeRO-3: it is saved like any tensor autograd keeps, so the step's saved-tensor hooks
+keep a handle, and backward re-gathers the unit (docs/architecture.md).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                          chunk_size: int = 1024, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=..., reduction=...)`` without all
+    logits at once (module docstring).
+
+    ``hidden``: ``(..., d)``; ``weight``: the head's ``(vocabulary, d)`` (a tied embedding's too);
+    ``labels``: ``hidden``'s leading shape, integer, ``ignore_index`` where no token is predicted.
+    ``chunk_size``: tokens a chunk. ``reduction``: ``"mean"`` over the tokens not ignored (NaN if
+    all are, as F.cross_entropy) or ``"sum"``. The loss is fp32 whatever the inputs' dtype.
+    """
+    if torch.overrides.has_torch_function((hidden, weight)):
+        # a tensor subclass (zfunc's stand-in for a parameter a State holds) resolves first, as for any
+        # torch function, so the autograd graph meets the unit's materialized value, not the stand-in
+        return torch.overrides.handle_torch_function(
+            chunked_cross_entropy, (hidden, weight), hidden, weight, labels, chunk_size=chunk_size,
+            ignore_index=ignore_index, reduction=reduction)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunked_cross_entropy: chunk_size must be an int >= 1, got {chunk_size!r}")
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"chunked_cross_entropy: hidden (..., d) and weight (vocabulary, d) must share d, got "
+                         f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:-1] or labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"chunked_cross_entropy: labels must be integers shaped like hidden without its last "
+                         f"dimension, {tuple(hidden.shape[:-1])}, got {labels.dtype} {tuple(labels.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"chunked_cross_entropy: hidden and weight must share a dtype (the logits' matrix "
+                         f"product runs in it), got {hidden.dtype} and {weight.dtype}")
+    return _ChunkedCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).long(),
+                                      chunk_size, ignore_index, reduction == "mean")
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """One chunk's logits, the product in the inputs' dtype (as the model's head), then fp32."""
+    return (hidden[start:end] @ weight.T).float()
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward keeps each token's log-sum-exp; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, ignore_index, mean):
+        n = hidden.shape[0]
+        valid = labels != ignore_index
+        safe = torch.where(valid, labels, 0)  # an ignored token gathers class 0, then counts for nothing
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = _chunk_logits(hidden, weight, start, end)
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+            target = logits.gather(1, safe[start:end, None]).squeeze(1)
+            total += torch.where(valid[start:end], lse[start:end] - target, 0.0).sum()
+            del logits
+        count = valid.sum().float()
+        ctx.save_for_backward(hidden, weight, safe, valid, lse, count)
+        ctx.chunk, ctx.mean = chunk, mean
+        return total / count if mean else total
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, safe, valid, lse, count = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        # all tokens ignored: the loss is NaN and the gradients are zeros, as F.cross_entropy's
+        scale = grad.float() / count.clamp(min=1) if ctx.mean else grad.float()
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            # d loss / d logits: softmax minus the label's one-hot, times the reduction's scale, 0 if ignored
+            g = torch.exp_(_chunk_logits(hidden, weight, start, end) - lse[start:end, None])
+            v = valid[start:end]
+            g.scatter_add_(1, safe[start:end, None], -v[:, None].float())
+            g.mul_((v.float() * scale)[:, None])
+            g = g.to(hidden.dtype)
+            if need_hidden:
+                grad_hidden[start:end] = g @ weight
+            if need_weight:
+                grad_weight.addmm_(g.T.float(), hidden[start:end].float())
+            del g
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
