@@ -214,3 +214,50 @@ def test_eval_step_and_no_grad_run_plain_and_forward_comes_back():
     assert [type(blk).forward for blk in model.blocks] == own
     ev = zf.zero3(zf.eval_step(loss_fn))(state, b)
     assert torch.isfinite(ev["loss"])
+
+
+# ------------------------------------------------------------------ randomness and running statistics
+
+
+class Noisy(nn.Module):
+    """Dropout and BatchNorm inside the blocks: what a recomputation must repeat, and what it must
+    not count twice."""
+
+    def __init__(self, d: int = 6, depth: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.BatchNorm1d(d), nn.Dropout(0.5), nn.Tanh())
+                                    for _ in range(depth))
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def _noisy_run(recompute: bool, steps: int = 3) -> dict:
+    torch.manual_seed(0)
+    model = Noisy()
+
+    def loss_fn(params, b):
+        return F.mse_loss(zf.apply(model, params, b[0]), b[1])
+
+    step = zf.train_step(loss_fn, zf.optim.adamw(1e-2))
+    step = zf.zero3(zf.recompute(step) if recompute else step)
+    state = step.init(model)
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        state, _ = step(state, (torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)))
+    return {"params": zf.gather_params(state), "buffers": dict(state.buffers)}
+
+
+def test_dropout_repeats_its_mask_and_running_statistics_update_once():
+    """The recomputation draws dropout's mask again from the RNG state checkpoint stashed, so the
+    step equals the step without recompute bit for bit, running statistics too: the state's
+    BatchNorm statistics are updated by the forward only (plain PyTorch's checkpoint updates its
+    module's twice)."""
+    plain, again = _noisy_run(False), _noisy_run(True)
+    for part in ("params", "buffers"):
+        assert plain[part].keys() == again[part].keys()
+        for k in plain[part]:
+            assert torch.equal(plain[part][k], again[part][k]), (part, k)
