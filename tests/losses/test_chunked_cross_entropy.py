@@ -2,7 +2,8 @@
 (fp32 within 1e-5; bf16 within a few unit roundoffs of the exact loss, as F.cross_entropy itself),
 over drawn shapes, chunk sizes and ignored tokens; no tensor larger than a chunk's logits ever made
 and only the inputs and a float a token saved; inside a zero3 step (with zf.recompute and offload)
-where the head is a zfunc parameter, tied to the embedding or not, equal to plain PyTorch."""
+where the head is a zfunc parameter, tied to the embedding or not, equal to plain PyTorch (fp32) and
+within roundoff of plain mixed precision (bf16)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zfunc as zf
-from assertions import UNIT_ROUNDOFF, assert_close_to
+from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from models import local
 from workers import workers
 
@@ -267,3 +268,49 @@ def test_in_a_zero3_step_equals_plain_pytorch(head, composition, read):
     for r in workers(2).run(chunked_lm_run, head, composition, read):
         assert_close_to(r["params"], expected["params"])
         assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+
+
+def _bf16_reference(head: str, steps: int) -> dict:
+    """Plain PyTorch mixed precision on the full logits: a bf16 copy runs forward and backward, fp32
+    AdamW updates the master, cast back into the copy."""
+    torch.manual_seed(0)
+    master = TinyLM(head=head)
+    init = {k: v.detach().clone() for k, v in master.named_parameters()}
+    low = TinyLM(head=head).to(torch.bfloat16)
+    low.load_state_dict(master.state_dict())
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-3, weight_decay=0.01)
+    for i in range(steps):
+        idx, y = _tokens(i, 1)
+        low.zero_grad(set_to_none=True)
+        F.cross_entropy((low(idx) @ low.head_weight().T).float().flatten(0, 1), y.flatten()).backward()
+        for mp, lp in zip(master.parameters(), low.parameters()):
+            mp.grad = lp.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for mp, lp in zip(master.parameters(), low.parameters()):
+                lp.copy_(mp)
+    return {"params": {k: v.detach().clone() for k, v in master.named_parameters()}, "init": init}
+
+
+@pytest.mark.parametrize("head", ["tied", "unit"])
+def test_in_a_bf16_zero3_step_within_roundoff_of_plain_mixed_precision(head):
+    """zero3(mixed_precision(bf16)), one process: the head's bf16 weight and hidden states into the
+    chunked loss; the fp32 master weights within assert_within_roundoff's Adam bounds of plain
+    PyTorch's mixed precision on the full logits."""
+    steps = 3
+    torch.manual_seed(0)
+    model = TinyLM(head=head)
+
+    def loss_fn(params, b):
+        idx, labels = b
+        return zf.chunked_cross_entropy(zf.apply(model, params, idx), params[model.head_name], labels, chunk_size=4)
+
+    step = zf.zero3(zf.mixed_precision(zf.train_step(loss_fn, zf.optim.adamw(1e-3, weight_decay=0.01)),
+                                       torch.bfloat16))
+    state = step.init(model)
+    for i in range(steps):
+        state, metrics = step(state, _tokens(i, 1))
+        assert metrics["loss"].dtype == torch.float32 and torch.isfinite(metrics["loss"])
+    ref = _bf16_reference(head, steps)
+    assert_within_roundoff(zf.gather_params(state), ref["params"], ref["init"], UNIT_ROUNDOFF[torch.bfloat16],
+                           sgd=False)
