@@ -12,7 +12,7 @@ import zfunc as zf
 from assertions import assert_close_to
 from compositions import COMPOSITIONS
 from models import MODEL_KW, batch, build
-from recompute import checkpoint_units, reference, run, unit_modules
+from recompute import checkpoint_units, count_calls, reference, run, unit_modules
 from workers import workers
 
 FP32 = [n for n, c in COMPOSITIONS.items() if "precision" not in c]
@@ -261,3 +261,67 @@ def test_dropout_repeats_its_mask_and_running_statistics_update_once():
         assert plain[part].keys() == again[part].keys()
         for k in plain[part]:
             assert torch.equal(plain[part][k], again[part][k]), (part, k)
+
+
+# ------------------------------------------------------------------ Hugging Face models
+
+
+def hf_run(kind: str, hf_checkpointing: bool, steps: int = 3, per_rank: int = 2) -> dict:
+    """zero3(offload_cpu(recompute(f))) over a transformers model's loss, each decoder layer a unit
+    (``hf_checkpointing``: with transformers' own non-reentrant checkpointing around each layer too)."""
+    import hf
+
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = hf.build(kind)
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = count_calls(model)
+
+    def loss_fn(params, x):
+        return zf.apply(model, params, input_ids=x, labels=x).loss
+
+    step = zf.zero3(zf.offload_cpu(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(hf.LR)))))
+    state = step.init(model)
+    losses = []
+    for i in range(steps):
+        x = hf.tokens(per_rank * world, seed=i)[rank * per_rank : (rank + 1) * per_rank]
+        state, metrics = step(state, x)
+        losses.append(metrics["loss"].item())
+    return {"params": zf.gather_params(state), "losses": losses, "calls": dict(calls)}
+
+
+def _hf_reference(kind: str, batch_size: int, hf_checkpointing: bool, steps: int = 3) -> dict:
+    import hf
+
+    model = checkpoint_units(hf.build(kind))
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    calls = count_calls(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=hf.LR)
+    losses = []
+    for i in range(steps):
+        x = hf.tokens(batch_size, seed=i)
+        opt.zero_grad()
+        value = model(input_ids=x, labels=x).loss
+        value.backward()
+        opt.step()
+        losses.append(value.item())
+    return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses,
+            "calls": calls}
+
+
+@pytest.mark.parametrize("hf_checkpointing", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_transformers_models_equal_plain_pytorch(kind, hf_checkpointing):
+    """Llama (rotary embeddings passed to each layer as keyword tensors) and GPT-2 (a tied head), at
+    W = 2 under zero3 and offload_cpu: plain PyTorch with each decoder layer's forward checkpointed,
+    within 1e-5, every layer's modules run again in backward; with transformers' own checkpointing
+    on as well, the two nest as they would in plain PyTorch (which runs the layers as often)."""
+    pytest.importorskip("transformers")
+    expected = _hf_reference(kind, 4, hf_checkpointing)
+    layer = ".layers.0." if kind == "llama" else ".h.0."
+    assert max(n for k, n in expected["calls"].items() if layer in k) >= 2 * 3  # the oracle recomputes
+    for r in workers(2).run(hf_run, kind, hf_checkpointing):
+        assert_close_to(r["params"], expected["params"])
+        assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert r["calls"] == expected["calls"]
