@@ -288,16 +288,17 @@ def _balance(sizes, whole, world: int, n: int, costs, load: list[float]) -> tupl
     a beam search over the entries in order, each partial layout scored by its ranks' costs sorted
     from the largest (the least largest first), ties by the fewest elements used. Returns the offsets
     and this unit's cost per rank. Deterministic: every rank lays the unit out alike."""
-    limit = world * n
+    # latest[k]: the last element entries k.. can start from and still fit (placed compactly from
+    # there: where they end grows with where they start, so the starts that fit are 0..latest[k])
+    latest = [world * n] * (len(sizes) + 1)
+    for k in range(len(sizes) - 1, -1, -1):
+        size, t = sizes[k], latest[k + 1] - sizes[k]
+        if whole[k] and size and t >= 0 and t // n != (t + size - 1) // n:
+            t = (t + size - 1) // n * n - size  # end at the shard's end before
+        latest[k] = t
 
     def fits_from(k, pos):  # can entries k.. still be placed from pos (compactly)?
-        for size, w in zip(sizes[k:], whole[k:]):
-            if w and size and pos // n != (pos + size - 1) // n:
-                pos = -(-pos // n) * n
-            pos += size
-            if pos > limit:
-                return False
-        return True
+        return pos <= latest[k]
 
     states = [(0, (), (0.0,) * world)]  # (next free element, offsets so far, this unit's cost per rank)
     for k, (size, w) in enumerate(zip(sizes, whole)):

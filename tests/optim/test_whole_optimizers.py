@@ -219,19 +219,47 @@ def test_multi_holds_each_members_state_only_for_its_own_parameters():
     assert max(workers(2).run(state_over_ideal)) <= 1.3
 
 
+def _check_owner_offsets(sizes, whole, world, found):
+    offsets, padded = found
+    n = padded // world
+    assert padded % world == 0 and offsets == sorted(offsets)
+    ends = [o + s for o, s in zip(offsets, sizes)]
+    assert all(a >= b for a, b in zip(offsets[1:], ends))  # in order, never overlapping
+    assert ends[-1] <= padded
+    for o, s, w in zip(offsets, sizes, whole):
+        if w and s:
+            assert o // n == (o + s - 1) // n  # inside one shard
+
+
 def test_owner_offsets_keep_each_whole_parameter_inside_one_shard():
     sizes, whole = [16, 192, 24, 64, 8, 256, 32, 256, 8], [False, True, False, True, False, True, False, True, False]
     for world in (2, 3, 4):
-        offsets, padded = zfunc.tree.owner_offsets(sizes, whole, world)
-        n = padded // world
-        assert padded % world == 0 and offsets == sorted(offsets)
-        ends = [o + s for o, s in zip(offsets, sizes)]
-        assert all(a >= b for a, b in zip(offsets[1:], ends))  # in order, never overlapping
-        assert ends[-1] <= padded
-        for o, s, w in zip(offsets, sizes, whole):
-            if w:
-                assert o // n == (o + s - 1) // n  # inside one shard
+        _check_owner_offsets(sizes, whole, world, zfunc.tree.owner_offsets(sizes, whole, world))
+        load = [0.0] * world
+        costs = [float(s) ** 1.5 if w else 0.0 for s, w in zip(sizes, whole)]
+        _check_owner_offsets(sizes, whole, world, zfunc.tree.owner_offsets(sizes, whole, world, costs, load))
+        assert sum(load) == sum(costs)  # this unit's costs added to the ranks'
     assert zfunc.tree.owner_offsets([5, 7], [False, False], 2) is None
+
+
+def test_owner_offsets_balanced_by_cost_on_random_units():
+    """The balanced layout keeps the constraints on any unit (random sizes, empty entries, a whole
+    entry as large as a shard), and is the same every time (every rank lays it out alike)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        world, k = rng.randint(2, 8), rng.randint(1, 12)
+        sizes = [rng.choice([0, 1, 3, 8, 17, 64, 100]) for _ in range(k)]
+        whole = [rng.random() < 0.6 for _ in range(k)]
+        if not any(whole):
+            continue
+        costs = [float(s * s) if w else 0.0 for s, w in zip(sizes, whole)]
+        load = [float(rng.randint(0, 500)) for _ in range(world)]
+        again = list(load)
+        found = zfunc.tree.owner_offsets(sizes, whole, world, costs, load)
+        _check_owner_offsets(sizes, whole, world, found)
+        assert zfunc.tree.owner_offsets(sizes, whole, world, costs, again) == found and again == load
 
 
 class _Block(torch.nn.Module):
