@@ -1,7 +1,7 @@
 """transformers' ZeRO-3 loading path on zfunc: ``from_pretrained`` while a ZeRO-3 config is live
 builds the model under ``deepspeed.zero.Init`` and writes each module's weights through
 ``GatheredParameters(params, modifier_rank=0)``; each block's values go to the model's spill and
-its parameters back to the meta device, and ``deepspeed.initialize`` reads the spill unit by unit:
+its parameters become what DeepSpeed leaves (0 elements on the real device, ``ds_shape``), and ``deepspeed.initialize`` reads the spill unit by unit:
 every tensor the engine holds equals the file's, bit for bit, on every rank, transformers reports
 nothing missing, and a rank other than 0 (which transformers has read the whole checkpoint) grows
 by a fraction of the model while loading (tests/harness/hf_zero3_load.py, W = 2 under torchrun)."""
@@ -19,7 +19,7 @@ def _check(records):
         assert record["missing"] == [], (rank, record["missing"])
         assert record["differ"] == [], (rank, record["differ"])
         assert sorted(record["compared"]) == record["files"], rank
-        assert record["on_meta_after_load"], rank
+        assert record["placeholders_after_load"], rank
 
 
 def test_every_tensor_loads_bit_for_bit(tmp_path):
@@ -42,3 +42,27 @@ def test_loading_holds_a_block_not_the_model(tmp_path):
     records = hf_zero3_load.run("zfunc", str(tmp_path / "model"), str(tmp_path / "out"), world=2)
     _check(records)
     assert records[1]["loaded_growth_mib"] < 0.5 * records[1]["model_mib"], records[1]["loaded_growth_mib"]
+
+
+@pytest.mark.slow
+def test_resize_token_embeddings_after_loading_as_under_deepspeed(tmp_path):
+    """DeepSpeed-Chat's step: ``resize_token_embeddings`` between ``from_pretrained`` and ``initialize``
+    under ZeRO-3. transformers builds the new embedding and lm head "like" the old weights (their
+    device and dtype: real, since the loaded parameters are DeepSpeed's 0-element placeholders, not
+    meta tensors), initializes the added rows with the model's ``_init_weights`` and copies the old
+    rows in under ``GatheredParameters`` (the lm head's absent bias, None, in the list). As under
+    real DeepSpeed, in the same environment: the engine holds the new shapes, the old rows equal to
+    the file's bit for bit, the added rows the same on both ranks (rank 0's) and drawn from the
+    model's init (std 0.02)."""
+    folder = hf_trainer.save_model_folder(str(tmp_path / "model"))  # vocabulary 96, lm head untied
+    runs = {which: hf_zero3_load.run(which, folder, str(tmp_path / which), world=2, resize=104)
+            for which in ("zfunc", "deepspeed")}
+    for which, records in runs.items():
+        _check(records)
+        names = sorted(records[0]["resized"])
+        assert names == ["lm_head.weight", "model.embed_tokens.weight"], (which, names)
+        for name in names:
+            assert records[0]["resized"][name]["shape"] == [104, 32], (which, name)
+            assert records[0]["resized"][name] == records[1]["resized"][name], (which, name)
+            assert 0.01 < records[0]["resized"][name]["added_std"] < 0.03, (which, name)
+    assert runs["zfunc"][0]["resized"].keys() == runs["deepspeed"][0]["resized"].keys()

@@ -27,9 +27,14 @@ engine's loader of ``training_data``, ``deepspeed.moe.utils`` imported, an evalu
 ``engine.eval()``), fp32: the losses equal to 1e-5 and the same accuracy lines. It never seeds, so
 ds_launch.py seeds torch first for both runs.
 
-DeepSpeed-Chat, not run: ZeRO-3 (transformers' ``resize_token_embeddings`` under ZeRO-3 hands
-``GatheredParameters`` the lm head's missing bias, ``None``, which DeepSpeed skips and
-zfunc.deepspeed.zero refuses), ``--offload`` (the script's config names ``offload_param`` at every
+DeepSpeed-Chat at ZeRO-3 loads the model with ``from_pretrained`` under its ``HfDeepSpeedConfig``
+(zfunc.deepspeed.zero's spill: the parameters left as DeepSpeed leaves partitioned ones, 0 elements
+on the real device with ``ds_shape``) and then calls ``resize_token_embeddings``, which builds a new
+embedding and lm head "like" the old weights (their device and dtype), copies the old rows in under
+``GatheredParameters`` (the lm head's absent bias, ``None``, in the list) and puts them in the old
+ones' places: the same losses as DeepSpeed's, to the same bound.
+
+DeepSpeed-Chat, not run: ``--offload`` (the script's config names ``offload_param`` at every
 stage, which DeepSpeed ignores below ZeRO-3 and zfunc's parser refuses), and ZeRO-0 (DeepSpeed's
 bf16 without ZeRO takes its fp16 optimizer's path, whose losses differ from its own ZeRO stages' by
 ~1e-3; zfunc's equal its ZeRO-1/2 ones).
@@ -66,7 +71,8 @@ def evaluations(lines: list[str]) -> list[tuple[float, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, stage", [(1, 2), (2, 2), (2, 1)], ids=["W1-zero2", "W2-zero2", "W2-zero1"])
+@pytest.mark.parametrize("world, stage", [(1, 2), (2, 2), (2, 1), (1, 3), (2, 3)],
+                         ids=["W1-zero2", "W2-zero2", "W2-zero1", "W1-zero3", "W2-zero3"])
 def test_deepspeed_chat_step1_sft_matches_deepspeed(world, stage, tmp_path):
     model = tiny_opt(tmp_path / "tiny_opt")
     script = os.path.join(CHAT, "main.py")

@@ -5,8 +5,8 @@
 ``python tests/harness/hf_zero3_load.py --which zfunc|deepspeed --folder F --out DIR`` (under
 torchrun) writes ``DIR/rank{r}.json``: transformers' missing keys, the names whose gathered
 value differs from the file's tensor by any bit (``differ``), those compared (``compared``),
-whether every parameter is on the meta device after ``from_pretrained`` (zfunc: its values wait in
-the spill), the peak RSS growth in MiB of ``from_pretrained`` and of it with ``initialize``, and the
+whether every parameter is, after ``from_pretrained``, as DeepSpeed leaves a partitioned one (0
+elements on the real device, ``ds_shape`` and ``ds_numel``; zfunc: its values wait in the spill), the peak RSS growth in MiB of ``from_pretrained`` and of it with ``initialize``, and the
 model's size in MiB.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--which", required=True)
     parser.add_argument("--folder", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--resize", type=int, default=None)
     a = parser.parse_args()
     route(a.which)
     import deepspeed
@@ -51,7 +52,12 @@ def main() -> None:
     model, info = transformers.AutoModelForCausalLM.from_pretrained(a.folder, output_loading_info=True,
                                                                      dtype=torch.float32)
     loaded = _rss_mib() - before
-    on_meta = all(p.is_meta for p in model.parameters())
+    # as DeepSpeed leaves partitioned parameters: 0 elements on the real device, the full shape in ds_shape
+    held = all(p.numel() == 0 and not p.is_meta and p.ds_numel == torch.Size(p.ds_shape).numel() > 0
+               for p in model.parameters())
+    resized = {}
+    if a.resize is not None:  # DeepSpeed-Chat's resize_token_embeddings: new modules built "like" the old weights
+        model.resize_token_embeddings(a.resize, mean_resizing=False)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     grown = _rss_mib() - before
     files = safetensors.torch.load_file(os.path.join(a.folder, "model.safetensors"))
@@ -62,11 +68,16 @@ def main() -> None:
         with deepspeed.zero.GatheredParameters([p]):
             value = p.detach().to("cpu", copy=True)
         compared.append(name)
+        if a.resize is not None and value.shape[0] == a.resize != files[name].shape[0]:  # a resized vocabulary
+            rows = files[name].shape[0]
+            resized[name] = {"shape": list(value.shape), "added_sum": float(value[rows:].double().sum()),
+                             "added_std": float(value[rows:].std())}
+            value = value[:rows].contiguous()
         if value.dtype != files[name].dtype or not torch.equal(value.view(-1).view(torch.int32),
                                                                 files[name].view(-1).view(torch.int32)):
             differ.append(name)
     out = {"missing": sorted(info.get("missing_keys", [])), "differ": differ, "compared": compared,
-           "rss_growth_mib": grown, "loaded_growth_mib": loaded, "on_meta_after_load": on_meta,
+           "rss_growth_mib": grown, "loaded_growth_mib": loaded, "placeholders_after_load": held, "resized": resized,
            "model_mib": sum(t.numel() * t.element_size() for t in files.values()) / 2**20, "files": sorted(files)}
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -75,13 +86,17 @@ def main() -> None:
 
 
 
-def run(which: str, folder: str, out: str, world: int = 2, timeout: int = 600) -> list[dict]:
-    """Launch the script under torchrun with ``world`` gloo ranks; each rank's record."""
+def run(which: str, folder: str, out: str, world: int = 2, timeout: int = 600, resize: int | None = None) -> list[dict]:
+    """Launch the script under torchrun with ``world`` gloo ranks; each rank's record (``resize``: the
+    vocabulary resized to it by ``resize_token_embeddings`` between ``from_pretrained`` and
+    ``initialize``; the record's ``resized`` has each resized tensor's shape and its added rows' sum
+    and std, the old rows being compared with the file's)."""
     import subprocess
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           os.path.abspath(__file__), "--which", which, "--folder", folder, "--out", out]
+           os.path.abspath(__file__), "--which", which, "--folder", folder, "--out", out,
+           *([] if resize is None else ["--resize", str(resize)])]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise AssertionError(f"{which} at W = {world} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")

@@ -45,6 +45,7 @@ class DeepSpeedEngine(Engine, nn.Module):
 
     def __init__(self, model: nn.Module, cfg, **kwargs):
         nn.Module.__init__(self)
+        zero.unspill(model)  # placeholders back on the meta device, the spill's entries of replaced parameters dropped
         spill = zero.spilled(model)  # what GatheredParameters blocks wrote under a ZeRO-3 Init (from_pretrained)
         if spill is not None and kwargs.get("weights") is None:
             kwargs.update(weights=spill.weights(), strict=False)

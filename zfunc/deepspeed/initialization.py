@@ -55,6 +55,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     raw = _config(args, config, config_params)
     if args is not None and hasattr(args, "local_rank"):  # DeepSpeed's engine sets it from the launcher's LOCAL_RANK
         args.local_rank = int(os.environ.get("LOCAL_RANK", dist.rank()))
+    if isinstance(model, nn.Module):
+        zero.unspill(model)  # a ZeRO-3 Init's placeholders in their full shapes (the config and engine read them)
     cfg = config_for(model, raw)
     _refuse_fused_lm_head_under_zero3(model, raw)
     if isinstance(model, PipelineModule):

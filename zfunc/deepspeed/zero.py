@@ -26,10 +26,14 @@ the block, on every rank (every rank enters it, as in DeepSpeed: it is collectiv
 
 - before it, under an ``Init`` given a ZeRO-3 config (transformers' ``from_pretrained`` under a
   ZeRO-3 config passes one), the values on exit go instead to the model's spill (``Spill``: one
-  safetensors file per block, in a folder of this process's) and the parameters back to the meta
-  device, the block's memory returned to the OS; a later block reads them back, and ``initialize``
-  reads the spill as pretrained weights, one unit at a time, each rank its own bytes, then removes
-  it. Loading a model this way holds one block's tensors, not the model.
+  safetensors file per block, in a folder of this process's) and the parameters become what
+  DeepSpeed leaves of partitioned ones (``_placeholder``: 0 elements on the real device, with
+  ``ds_shape``, ``ds_numel``, ``ds_id``, ``ds_status``), the block's memory returned to the OS, so a
+  module built "like" one of them (transformers' ``resize_token_embeddings``) is real, as under
+  DeepSpeed; a later block reads them back, and ``initialize`` (``unspill``) puts them on the meta
+  device in their full shapes and reads the spill as pretrained weights, one unit at a time, each
+  rank its own bytes, then removes it. Loading a model this way holds one block's tensors, not the
+  model.
 
 ``register_engine(engine)`` (called by ``zfunc.deepspeed.initialize``) marks the model's stand-ins
 with a weak reference to their engine; the engine's state, replaced every step, is read through
@@ -243,7 +247,7 @@ class Spill:
     """The values ``GatheredParameters`` blocks wrote into the parameters of a model built under a
     ZeRO-3 ``Init`` (transformers' ``from_pretrained`` under a ZeRO-3 config), before
     ``initialize``: one safetensors file per block in a folder of this process's, the parameters
-    back on the meta device after each block. ``initialize`` reads the folder as pretrained weights
+    0-element placeholders after each block. ``initialize`` reads the folder as pretrained weights
     (zfunc.weights: each unit in turn, each rank its own bytes) and removes it, so loading holds one
     block's tensors at a time, not the model. A later block over a written parameter reads it back."""
 
@@ -313,11 +317,89 @@ def forget_spill(model: nn.Module) -> None:
             spill.close()
 
 
-def _back_to_meta(p: nn.Parameter) -> None:
-    """``p`` on the meta device again, the same object in every slot, its attributes kept."""
-    meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+_ids = iter(range(1 << 62))  # ds_id of the placeholders (DeepSpeed numbers its partitioned parameters)
+
+
+def _placeholder(p: nn.Parameter) -> None:
+    """``p`` as DeepSpeed leaves a partitioned parameter: 0 elements on the real device (the
+    group's: the CPU under gloo, the GPU under nccl), in its dtype, with ``ds_shape``, ``ds_numel``,
+    ``ds_id`` and ``ds_status`` (NOT_AVAILABLE); the same object in every slot, its attributes kept.
+    A module built "like" it (``nn.Embedding(..., device=w.device, dtype=w.dtype)``, as transformers'
+    ``resize_token_embeddings`` builds one) is then real, as under DeepSpeed."""
+    shape = torch.Size(getattr(p, "ds_shape", None) if is_placeholder(p) else p.shape)
+    held = nn.Parameter(torch.empty(0, dtype=p.dtype, device=dist.device_of()), requires_grad=p.requires_grad)
+    held.__dict__.update(p.__dict__)
+    held.ds_shape, held.ds_numel = shape, shape.numel()
+    held.ds_id = p.__dict__.get("ds_id", next(_ids))
+    held.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    held._zfunc_placeholder = True
+    torch.utils.swap_tensors(p, held)
+
+
+def is_placeholder(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a placeholder ``_placeholder`` made (its values in the model's spill or its init)."""
+    return p.__dict__.get("_zfunc_placeholder", False) and p.numel() == 0
+
+
+def _to_meta(p: nn.Parameter, keep_ds: bool = True) -> None:
+    """A placeholder on the meta device in its full shape again (what zfunc's init and ``initialize``
+    read), the same object; ``keep_ds=False`` drops DeepSpeed's attributes (the engine sets its own)."""
+    meta = nn.Parameter(torch.empty(p.ds_shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
     meta.__dict__.update(p.__dict__)
+    del meta.__dict__["_zfunc_placeholder"]
+    if not keep_ds:
+        for key in ("ds_shape", "ds_numel", "ds_id", "ds_status"):
+            meta.__dict__.pop(key, None)
     torch.utils.swap_tensors(p, meta)
+
+
+@contextlib.contextmanager
+def _as_meta(root: nn.Module):
+    """``root``'s placeholders on the meta device in their full shapes inside (zfunc's init reads the
+    model's shapes); on exit those still on the meta device are placeholders again."""
+    held = [p for p in root.parameters() if is_placeholder(p)]
+    for p in held:
+        _to_meta(p)
+    try:
+        yield
+    finally:
+        for p in held:
+            if p.is_meta:
+                _placeholder(p)
+
+
+def _at(root: nn.Module, name: str):
+    """What ``root``'s attribute path ``name`` reads now (None if nothing)."""
+    path, _, attr = name.rpartition(".")
+    try:
+        return getattr(root.get_submodule(path), attr, None)
+    except AttributeError:
+        return None
+
+
+def unspill(model: nn.Module) -> None:
+    """Before ``initialize`` reads ``model``'s spill: every placeholder on the meta device in its full
+    shape (DeepSpeed's attributes dropped), and the spill's entries of parameters that hold real data
+    now (a module put in a placeholder's place: ``resize_token_embeddings``'s new embedding) dropped,
+    so the model's own values are kept for them."""
+    for root in [m for m in model.modules() if m in _spills]:
+        spill = _spills[root]
+        keep, moved = {}, {}
+        for name, p in root.named_parameters():
+            key = p.__dict__.get("_zfunc_spill_name") if is_placeholder(p) or p.is_meta else None
+            if key is not None and spill.has(key):
+                if key == name or _at(root, key) is p:  # (a peft layer's ``weight`` is its base layer's)
+                    keep[key] = spill.file_of[key]
+                else:  # its module moved (a resize put another in its place): the spill's key follows it
+                    moved[name] = key
+                    p._zfunc_spill_name = name
+        copies = {name: spill.read([key])[key] for name, key in moved.items()}
+        spill.file_of = keep
+        if copies:
+            spill.write(copies)
+    for p in model.parameters():
+        if is_placeholder(p):
+            _to_meta(p, keep_ds=False)
 
 
 # ------------------------------------------------------- zero.GatheredParameters
@@ -359,6 +441,7 @@ class GatheredParameters:
         if not enabled:
             return
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        params = [p for p in params if p is not None]  # a module's absent bias (transformers' lm head), as DeepSpeed skips it
         bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
         if bad:
             raise TypeError(f"GatheredParameters takes a parameter or an iterable of parameters, got {', '.join(bad)}")
@@ -378,7 +461,7 @@ class GatheredParameters:
         if not self.enabled:
             return
         held = [p for p in self.params if lazy.is_lazy(p)]
-        meta = [p for p in self.params if not lazy.is_lazy(p) and p.is_meta]
+        meta = [p for p in self.params if not lazy.is_lazy(p) and (p.is_meta or is_placeholder(p))]
         self._engine = self._values = None
         self._built = []
         if held:
@@ -456,20 +539,28 @@ class GatheredParameters:
                     "zero.Init(), or give it real values first")
             roots.setdefault(id(root), (root, []))[1].append(p)
         for root, params in roots.values():
-            named = list(root.named_parameters())  # first names: what ParameterInit keys by
-            name_of = {id(q): n for n, q in named}
-            names = [name_of[id(p)] for p in params]
-            spill = _spills.get(root)
-            written = spill.read([n for n in names if spill.has(n)]) if spill is not None else {}
-            fresh = [n for n in names if n not in written]
-            values = {**(_initializer(root, tuple(n for n, _ in named))(fresh, device="cpu") if fresh else {}),
-                      **written}
-            for p, name in zip(params, names):
-                real = nn.Parameter(values[name], requires_grad=p.requires_grad)
-                real.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: keep the slot's own
-                torch.utils.swap_tensors(p, real)  # the same object, now holding data, in every slot
-                hf_init.mark_loaded(p)  # transformers' init (a parent's, at initialize) leaves it, as a loaded one
-                self._built.append((p, p.detach().clone(), root, name))
+            with _as_meta(root):  # zfunc's init reads the full shapes
+                self._materialize_in(root, params)
+
+    def _materialize_in(self, root: nn.Module, params: list) -> None:
+        named = list(root.named_parameters())  # first names: what ParameterInit keys by
+        name_of = {id(q): n for n, q in named}
+        names = [name_of[id(p)] for p in params]
+        spill = _spills.get(root)
+        keys = {n: p.__dict__.get("_zfunc_spill_name", n) for p, n in zip(params, names)}  # where each was spilled
+        held = [n for n in names if spill is not None and spill.has(keys[n])]
+        written = {n: spill.read([keys[n]])[keys[n]] for n in held}
+        fresh = [n for n in names if n not in written]
+        values = {**(_initializer(root, tuple(n for n, _ in named))(fresh, device="cpu") if fresh else {}),
+                  **written}
+        for p, name in zip(params, names):
+            real = nn.Parameter(values[name], requires_grad=p.requires_grad)
+            real.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: keep the slot's own
+            torch.utils.swap_tensors(p, real)  # the same object, now holding data, in every slot
+            hf_init.mark_loaded(p)  # transformers' init (a parent's, at initialize) leaves it, as a loaded one
+            if "ds_status" in p.__dict__:
+                p.ds_status = ZeroParamStatus.AVAILABLE
+            self._built.append((p, p.detach().clone(), root, name))
 
     # ------------------------------------------------------------------- exit
 
@@ -494,13 +585,15 @@ class GatheredParameters:
                     elif dist.world_size() > 1:
                         dist.broadcast(p.data, self.modifier_rank)
                 written.setdefault(root, {})[name] = p
-            for root, params in written.items():  # under a ZeRO-3 Init: to the model's spill, back to meta
+            for root, params in written.items():  # under a ZeRO-3 Init: to the model's spill, placeholders again
                 if root not in _spill_mode:
                     continue
                 if self.modifier_rank is not None:
                     _spill_of(root).write({name: p.detach() for name, p in params.items()})
+                    for name, p in params.items():
+                        p._zfunc_spill_name = name  # its name may change (a module replaced): the spill's key stays
                 for p in params.values():
-                    _back_to_meta(p)
+                    _placeholder(p)
                 buffers.trim()  # the block's memory back to the OS: loading holds one block, not the model
         finally:
             self._values = self._engine = None
