@@ -33,6 +33,8 @@ class Peer:
     eager: str | None = None  # a compiled peer's eager twin
     prefetch: bool = True  # zfunc zero3: the coordinator issues gathers ahead of use (off: on demand)
     moments: str = "fp32"  # zfunc: Adam's moments' dtype ("bf16": zf.optim.adamw(state_dtype=torch.bfloat16))
+    recompute: bool = False  # each block's activations recomputed in backward (zfunc: zf.recompute; the others:
+    # torch.utils.checkpoint around each block's forward, as DeepSpeed's and torchtitan's activation checkpointing)
 
 
 PEERS = {
@@ -99,6 +101,19 @@ PEERS = {
                                         "Adam's moments in bf16", "zfunc", offload="cpu_delay", compiled="blocks",
                                         eager="zfunc_cpu_delay", moments="bf16"),
     "zfunc_nvme": Peer("zfunc zero3(offload_nvme(mixed_precision(...), path))", "zfunc", offload="nvme"),
+    # one large micro-batch a step, each block recomputed in backward (issue 50)
+    "zfunc_cpu_recompute": Peer("zfunc zero3(offload_cpu(mixed_precision(recompute(...)))): exact, blocks recomputed",
+                                "zfunc", offload="cpu_overlap", recompute=True),
+    "zfunc_cpu_params_recompute": Peer("zfunc zero3(offload_cpu(mixed_precision(recompute(...)), params=True)): exact, "
+                                       "parameters streamed from the host", "zfunc", offload="cpu_params",
+                                       recompute=True),
+    "zfunc_cpu_delay_recompute": Peer("zfunc zero3(offload_cpu(mixed_precision(recompute(...)), delay=1)), blocks "
+                                      "recomputed", "zfunc", offload="cpu_delay", recompute=True),
+    "zfunc_cpu_delay_recompute_blocks": Peer("zfunc zero3(offload_cpu(mixed_precision(recompute(...)), delay=1)), "
+                                             "blocks recomputed and compiled", "zfunc", offload="cpu_delay",
+                                             recompute=True, compiled="blocks", eager="zfunc_cpu_delay_recompute"),
+    "ds_cpu_recompute": Peer("DeepSpeed ZeRO-Offload: stage 3, offload_optimizer cpu, blocks checkpointed", "deepspeed",
+                             offload="cpu", recompute=True),
 }
 
 
@@ -151,6 +166,16 @@ def compile_blocks(blocks: torch.nn.ModuleList, backend: str) -> None:
     """Each block ``torch.compile``d and registered back in its list (torchtitan's apply_compile)."""
     for name, block in blocks.named_children():
         blocks.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+
+
+def checkpoint_blocks(blocks: torch.nn.ModuleList) -> None:
+    """Each block's forward under ``torch.utils.checkpoint`` (non-reentrant): what a user of DeepSpeed
+    or FSDP2 writes for activation checkpointing, and what ``zf.recompute`` does for zfunc's peers."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        inner = block.forward
+        block.forward = lambda *a, _f=inner, **k: checkpoint(_f, *a, use_reentrant=False, **k)
 
 
 def fsdp2(model, blocks, mesh, bf16: bool = False):
@@ -254,6 +279,8 @@ def zfunc_step(name: str, loss_fn, s: Settings):
     moments = {"state_dtype": torch.bfloat16} if peer.moments == "bf16" else {}
     step = zf.train_step(loss_fn, zf.optim.adamw(s.lr, weight_decay=s.wd, **moments),
                          **({"units": s.units} if s.units else {}))
+    if peer.recompute:
+        step = zf.recompute(step)
     if s.accumulate > 1:
         step = zf.accumulate(step, s.accumulate)
     if s.bf16:
@@ -278,6 +305,8 @@ def build(name: str, model, blocks, loss, s: Settings, on_metrics=None):
     peer = PEERS[name]
     if peer.kind == "zfunc":
         return _zfunc_train(name, model, loss, s, on_metrics)
+    if peer.recompute and peer.kind != "zfunc":
+        checkpoint_blocks(blocks)
     if peer.kind == "deepspeed":
         return _deepspeed_train(deepspeed_engine(name, model, blocks, s), loss)
     if peer.compiled == "blocks":  # before sharding: FSDP2's hooks run on the compiled wrappers (torchtitan's order)

@@ -46,6 +46,13 @@ SECTIONS = {
     # the planned split of the update against a hand-set one and ZeRO-Offload, with each step's roofline
     "gpt-offload-plan": ([PY, "benchmarks/gpu_gpt.py", "offload", "--peers", "zfunc_cpu,zfunc_cpu_sync,zfunc_cpu_host_sums,zfunc_cpu_plan,zfunc_cpu_ratio,ds_cpu",
                           "--accumulate", "8", "--warmup", "1", "--steps", "2", "--timeout", "90"], 540),
+    # issue 50: one large micro-batch a step, blocks recomputed, chunked loss: 16K and 64K tokens under the 20 GiB cap
+    "gpt-large": ([PY, "benchmarks/gpu_gpt.py", "large", "--warmup", "1", "--steps", "2", "--timeout", "110"], 560),
+    "gpt-large-64k": ([PY, "benchmarks/gpu_gpt.py", "large", "--batch", "32", "--steps", "2", "--timeout", "110",
+                       "--peers", "zfunc_cpu_delay_recompute,zfunc_cpu_recompute,ds_cpu_recompute"], 400),
+    # the largest Llama of 14B's dimensions the host holds, 64K tokens a step, delay=1 then exact
+    "largest": (["bash", "-c", f"{PY} benchmarks/gpu_largest.py --steps 2 && {PY} benchmarks/gpu_largest.py --steps 2 "
+                 "--update exact"], 580),
     # compiled blocks and zf.jit against plain PyTorch's compiled layers, FSDP2 and DeepSpeed (a 1.1B Llama)
     "compiled": ([PY, "benchmarks/compiled_peers.py", "--steps", "5", "--timeout", "150"], 540),
     "suite": ([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short", "-n", "14", "tests"], 380),

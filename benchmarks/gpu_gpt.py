@@ -3,6 +3,8 @@
     python benchmarks/gpu_gpt.py fits       # 0.84B GPT on the GPU: zfunc zero3 / FSDP2 / DeepSpeed ZeRO-3
     python benchmarks/gpu_gpt.py offload    # 1.8B GPT, GPU capped at 20 GiB: optimizer (and parameters) on the CPU
     python benchmarks/gpu_gpt.py nvme       # the same 1.8B GPT, its state in swap files under /tmp
+    python benchmarks/gpu_gpt.py large      # the same, one 16K-token micro-batch a step, blocks recomputed
+    python benchmarks/gpu_gpt.py large --batch 32   # 64K tokens a step
     python benchmarks/gpu_gpt.py fits --device cpu --tiny   # the same code on the CPU (gloo), a tiny model: smoke test
 
 The model is examples/gpt.py (pre-LN, untied head); every peer is built by benchmarks/_peers.py,
@@ -58,7 +60,11 @@ SIZES = {  # model, sequences per micro-batch, micro-batches per step, GPU cap (
     # gradient accumulators (7.3 GB) and one 2048-token micro-batch's activations (~5 GB) can
     "offload": dict(BIG, batch=1, accumulate=16, cap=20, warmup=1, steps=3, timeout=150),
     "nvme": dict(BIG, batch=2, accumulate=1, cap=20, warmup=1, steps=2, timeout=180),
+    # one large micro-batch a step (16K tokens; --batch 32: 64K), each block recomputed in backward, the loss a
+    # chunk of tokens at a time (zf.chunked_cross_entropy in every peer), the update on the host (issue 50)
+    "large": dict(BIG, batch=8, accumulate=1, cap=20, warmup=1, steps=3, timeout=240),
 }
+CHUNK = 4096  # tokens a chunk of the "large" mode's loss
 TINY = dict(layers=2, width=64, heads=4, vocab=256, seq=64, batch=2, cap=None, warmup=1, steps=2, timeout=150)
 MODE_PEERS = {  # each mode's peers (benchmarks/_peers.py's PEERS)
     "fits": ["zfunc", "fsdp2", "ds3"],
@@ -66,6 +72,8 @@ MODE_PEERS = {  # each mode's peers (benchmarks/_peers.py's PEERS)
                 "zfunc_cpu_plan", "zfunc_cpu_ratio", "zfunc_cpu_blocks", "zfunc_cpu_delay_blocks",
                 "zfunc_cpu_delay_blocks_bf16", "ds_cpu", "ds_cpu_params"],
     "nvme": ["zfunc_nvme", "ds_nvme"],
+    "large": ["zfunc_cpu_delay_recompute", "zfunc_cpu_recompute", "zfunc_cpu_params_recompute",
+              "zfunc_cpu_delay_recompute_blocks", "ds_cpu_recompute"],
 }
 PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
          "offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params"), ("zfunc_cpu_params", "ds_cpu"),
@@ -73,8 +81,37 @@ PAIRS = {"fits": [("zfunc", "fsdp2"), ("zfunc", "ds3")],
                      ("zfunc_cpu_host_sums", "ds_cpu"), ("zfunc_cpu_delay", "zfunc_cpu"), ("zfunc_cpu_delay", "ds_cpu"),
                      ("zfunc_cpu_blocks", "zfunc_cpu"), ("zfunc_cpu_delay_blocks", "zfunc_cpu_delay"),
                      ("zfunc_cpu_delay_blocks_bf16", "ds_cpu")],
-         "nvme": [("zfunc_nvme", "ds_nvme")]}
+         "nvme": [("zfunc_nvme", "ds_nvme")],
+         "large": [("zfunc_cpu_delay_recompute", "ds_cpu_recompute"), ("zfunc_cpu_recompute", "ds_cpu_recompute"),
+                   ("zfunc_cpu_params_recompute", "ds_cpu_recompute"),
+                   ("zfunc_cpu_delay_recompute_blocks", "zfunc_cpu_delay_recompute")]}
 AIMS = {"offload": [("zfunc_cpu", "ds_cpu"), ("zfunc_cpu_params", "ds_cpu_params")], "nvme": [("zfunc_nvme", "ds_nvme")]}
+
+
+def large_aims(tokens: int) -> list:
+    """Issue 50's aims for the large micro-batch: (peer, peer it is compared with, least TFLOPS ratio,
+    least fraction of peak): delay=1 at 30% of peak at 16K tokens a step and 40% at 64K; the exact
+    update 3.5x ZeRO-Offload's TFLOPS."""
+    return [("zfunc_cpu_delay_recompute", None, None, 0.40 if tokens >= 65536 else 0.30),
+            ("zfunc_cpu_recompute", "ds_cpu_recompute", 3.5, None)]
+
+
+class ChunkedLM(torch.nn.Module):
+    """The GPT's mean next-token loss with the head's logits made ``chunk`` tokens at a time
+    (zf.chunked_cross_entropy): at 64K tokens the full logits alone would take 6.6 GB in bf16."""
+
+    def __init__(self, gpt, chunk: int):
+        super().__init__()
+        self.gpt, self.chunk = gpt, chunk
+
+    def forward(self, idx, labels):
+        import zfunc as zf
+
+        g = self.gpt
+        x = g.tok_emb(idx) + g.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in g.blocks:
+            x = block(x)
+        return zf.chunked_cross_entropy(g.ln_f(x), g.head.weight, labels, chunk_size=self.chunk)
 
 
 def parse_args(argv=None):
@@ -98,7 +135,7 @@ def parse_args(argv=None):
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     size = dict(SIZES[a.mode], **(TINY if a.tiny else {}))
-    size["accumulate"] = SIZES[a.mode]["accumulate"] if not a.tiny else (1 if a.mode == "fits" else 2)
+    size["accumulate"] = SIZES[a.mode]["accumulate"] if not a.tiny else (1 if a.mode in ("fits", "large") else 2)
     for k, v in size.items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
@@ -128,11 +165,15 @@ def measure(a):
     with torch.device(a.device):
         model = GPT(cfg)
     params, embedding = num_params(model), embedding_params(model)
+    blocks, loss = model.blocks, lambda forward, b: lm_loss(forward(b[0]), b[1])
+    if a.mode == "large":
+        model = ChunkedLM(model, CHUNK)
+        loss = lambda forward, b: forward(b[0], b[1])  # noqa: E731
     rooflines = []  # the offloaded steps' metrics["offload"] (zfunc.transforms.offload.plan.roofline)
     s = Settings(lr=a.lr, wd=a.wd, bf16=True, device=a.device, batch=a.batch, accumulate=a.accumulate,
                  nvme_path=a.swap, budget=a.budget, ratio=a.ratio)
     t0 = time.perf_counter()
-    train = build(a.worker, model, model.blocks, lambda forward, b: lm_loss(forward(b[0]), b[1]), s,
+    train = build(a.worker, model, blocks, loss, s,
                   on_metrics=lambda m: "offload" in m and rooflines.append(m["offload"]))
     setup_s = time.perf_counter() - t0
     gen = rank_generator(a.seed, 0)
@@ -329,6 +370,18 @@ def report(a, rows):
             gpu = f"{zr['gpu_peak'] / pr['gpu_peak']:.2f}x" if zr.get("gpu_peak") and pr.get("gpu_peak") else "n/a"
             print(f"| {z} / {p} | {zr['step_s'] / pr['step_s']:.2f}x | {zr['tflops'] / pr['tflops']:.2f}x | {gpu} | "
                   f"{zr['rss_peak'] / pr['rss_peak']:.2f}x |")
+    for z, p, ratio, frac in large_aims(tokens) if a.mode == "large" else []:
+        if z not in ok:
+            print(f"\naim for {z}: no result" + ("" if z in a.peers else " (not run)"))
+            continue
+        got = ok[z]["tflops"]
+        if ratio is not None:
+            print(f"\naim for {z}: " + (f"{got / ok[p]['tflops']:.2f}x {p}'s TFLOPS: "
+                  f"{'PASS' if got >= ratio * ok[p]['tflops'] else 'FAIL'} (aim >= {ratio}x)" if p in ok else
+                  f"{p} has no result, no ratio"))
+        if frac is not None:
+            print(f"\naim for {z}: {100 * got / PEAK_TFLOPS:.1f}% of bf16 peak at {tokens} tokens a step: "
+                  f"{'PASS' if got / PEAK_TFLOPS >= frac else 'FAIL'} (aim >= {100 * frac:.0f}%)")
     for z, p in AIMS.get(a.mode, []):
         if z not in a.peers:
             continue
