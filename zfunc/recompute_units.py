@@ -3,16 +3,22 @@
 Under offload the device holds the units a step gathers and the activations its backward needs;
 a large micro-batch is bounded by the activations. ``zf.recompute`` keeps only each unit's inputs
 (the unit boundaries) from forward to backward and runs the unit again there, as
-``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` around every block would.
+``torch.utils.checkpoint.checkpoint(block.forward, x, use_reentrant=False)`` around every block would.
 
 zfunc already runs a user's own checkpointing: the recomputation reads the unit's weights through
 its stand-ins, which the step's ``Tracker`` resolves by re-gathering the unit (zfunc.lazy,
 zfunc.materialize). This module only makes the step do the wrapping itself: from the first
 ``zf.apply`` of a step until its backward is over, each chosen unit's module has its ``forward``
 replaced by one that calls the original under ``checkpoint`` (for the whole step, so a user's own
-checkpoint around the unit recomputes the same nesting of checkpoints as its forward ran). The unit's own forward hooks
-(zfunc.grad's gather and release) stay outside the checkpointed call, so what backward recomputes
-is the module's arithmetic and nothing of zfunc's.
+checkpoint around the unit recomputes the same nesting of checkpoints as its forward ran). The
+unit's own forward hooks (zfunc.grad's gather and release) stay outside the checkpointed call, so
+what backward recomputes is the module's arithmetic and nothing of zfunc's.
+
+A block compiled in place (``zf.compile_units``, ``torch.compile(model)``) calls its ``forward``
+from its compiled code, so dynamo traces the checkpoint into the block's graph (torch.compile's
+activation-checkpointing operator: the recomputation runs inside the compiled backward, whose saved
+inputs are the block's input and weights). A new step's wrapper has the same code, which is what
+the compiled code's guards look at: nothing is compiled again.
 """
 from __future__ import annotations
 
@@ -22,8 +28,6 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from . import compiled
 
 
 class Policy:
@@ -57,35 +61,20 @@ class Policy:
 def wrap(sites, policy: Policy, done: dict[int, Callable[[], None]]) -> None:
     """Put each chosen unit's module (``sites``: zfunc.grad's ``(name, module, slots)``, the root unit
     excluded) under checkpointing, unless ``done`` (``id(module)`` -> what puts it back) has it
-    already; ``done`` gains the others. A module that runs compiled code is not checkpointed: it
-    raises, naming the unit, with ``done`` holding what was wrapped before."""
+    already; ``done`` gains the others."""
     chosen = [(name, module) for name, module, _ in sites if policy.chooses(name, module)]
     outer = [(name, module) for name, module in chosen
              if not any(name.startswith(other + ".") for other, _ in chosen)]
-    for name, module in outer:
-        if id(module) in done:
-            continue
-        if compiled.is_compiled(module):
-            raise ValueError(
-                f"zf.recompute cannot checkpoint unit {name!r}: its module runs compiled code, whose "
-                "graph the recomputation would have to trace again; recompute uncompiled units only "
-                "(zf.recompute(step, units=[...]) names them), or checkpoint inside the compiled block")
-        done[id(module)] = _checkpointed(module)
+    for _, module in outer:
+        if id(module) not in done:
+            done[id(module)] = _checkpointed(module)
 
 
 def _checkpointed(module: nn.Module) -> Callable[[], None]:
     """``module.forward`` under ``checkpoint(..., use_reentrant=False)`` until the returned call."""
     own = module.__dict__.get("forward")  # a forward the user set on the instance, kept as it is
     inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():  # no backward to recompute for (an eval step, torch.no_grad)
-            return inner(*args, **kwargs)
-        fn = functools.partial(inner, **kwargs) if kwargs else inner
-        return checkpoint(fn, *args, use_reentrant=False)
-
-    module.forward = forward
+    module.forward = _wrapper(inner)
 
     def put_back():
         if own is None:
@@ -94,3 +83,14 @@ def _checkpointed(module: nn.Module) -> Callable[[], None]:
             module.forward = own
 
     return put_back
+
+
+def _wrapper(inner: Callable) -> Callable:
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():  # no backward to recompute for (an eval step, torch.no_grad)
+            return inner(*args, **kwargs)
+        fn = functools.partial(inner, **kwargs) if kwargs else inner
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    return forward

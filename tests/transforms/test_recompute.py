@@ -325,3 +325,53 @@ def test_transformers_models_equal_plain_pytorch(kind, hf_checkpointing):
         assert_close_to(r["params"], expected["params"])
         assert r["losses"] == pytest.approx(expected["losses"], rel=1e-5)
         assert r["calls"] == expected["calls"]
+
+
+# ------------------------------------------------------------------ compiled blocks
+
+
+def _compiled_run(how: str, recompute: bool, steps: int = 3) -> dict:
+    """Chain's blocks compiled in place (``"blocks"``: zf.compile_units) or the model wrapped
+    (``"model"``: torch.compile), aot_eager; each step's saved bytes inside zf.apply and dynamo's
+    unique graphs after it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Chain()
+    model = zf.compile_units(model, backend="aot_eager") if how == "blocks" else torch.compile(model, backend="aot_eager")
+    saved, graphs = [], []
+
+    def loss_fn(params, x):
+        n, out = _saved_bytes(lambda: zf.apply(model, params, x))
+        saved.append(n)
+        return out.square().mean()
+
+    step = zf.train_step(loss_fn, zf.optim.sgd(0.1))
+    step = zf.zero3(zf.recompute(step) if recompute else step)
+    state = step.init(model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        state, _ = step(state, torch.randn(16, 8, generator=g))
+        graphs.append(counters["stats"]["unique_graphs"])
+    return {"params": zf.gather_params(state), "saved": saved, "graphs": graphs}
+
+
+@pytest.mark.filterwarnings("ignore::zfunc.GraphBreakWarning")
+@pytest.mark.parametrize("how", ["blocks", "model"])
+def test_compiled_blocks_trace_the_checkpoint_into_their_graph(how):
+    """A compiled block calls the checkpointed forward from its compiled code: the recomputation
+    runs inside the compiled backward, which keeps only the block's input and weights (a block's
+    activations, GELU's, are not saved), with no recompilation from step to step; bit for bit
+    the compiled step without recompute."""
+    plain, again = _compiled_run(how, False), _compiled_run(how, True)
+    for k in plain["params"]:
+        assert torch.equal(plain["params"][k], again["params"][k]), k
+    b, d, depth = 16, 8, 3
+    boundaries = (depth + 1) * b * d * 4
+    weights = sum(p.numel() * 4 for p in Chain().blocks.parameters())
+    assert all(n <= boundaries + weights for n in again["saved"]), again["saved"]
+    # without: a B x 4d activation of each block at least (the compiler chooses which of GELU's to keep)
+    assert all(n > boundaries + weights + depth * b * 4 * d * 4 for n in plain["saved"]), plain["saved"]
+    assert again["graphs"] == [again["graphs"][0]] * 3 and again["graphs"][0] == plain["graphs"][0]
