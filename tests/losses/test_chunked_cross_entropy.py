@@ -314,3 +314,50 @@ def test_in_a_bf16_zero3_step_within_roundoff_of_plain_mixed_precision(head):
     ref = _bf16_reference(head, steps)
     assert_within_roundoff(zf.gather_params(state), ref["params"], ref["init"], UNIT_ROUNDOFF[torch.bfloat16],
                            sgd=False)
+
+
+def hf_llama_run(steps: int = 3, per_rank: int = 2) -> dict:
+    """transformers' Llama under zero3(offload_cpu(recompute(f))): the loss from the final hidden
+    states (``output_hidden_states``; ``logits_to_keep=1``, so the model makes one position's
+    logits only) through zf.chunked_cross_entropy over ``lm_head.weight``, labels shifted as
+    transformers shifts them."""
+    import hf
+
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    model = hf.build("llama")
+
+    def loss_fn(params, x):
+        out = zf.apply(model, params, input_ids=x, output_hidden_states=True, logits_to_keep=1)
+        return zf.chunked_cross_entropy(out.hidden_states[-1][:, :-1], params["lm_head.weight"], x[:, 1:],
+                                        chunk_size=5)
+
+    step = zf.zero3(zf.offload_cpu(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(hf.LR)))))
+    state = step.init(model)
+    losses = []
+    for i in range(steps):
+        x = hf.tokens(per_rank * world, seed=i)[rank * per_rank : (rank + 1) * per_rank]
+        state, metrics = step(state, x)
+        losses.append(metrics["loss"].item())
+    return {"params": zf.gather_params(state), "losses": losses}
+
+
+def test_a_transformers_llama_trains_as_with_its_own_loss():
+    """W = 2: the recipe of docs/architecture.md equals plain transformers' ``model(input_ids=x,
+    labels=x).loss`` on the global batch (relative 1e-5)."""
+    pytest.importorskip("transformers")
+    import hf
+
+    ref = hf.build("llama")
+    opt = torch.optim.AdamW(ref.parameters(), lr=hf.LR)
+    losses = []
+    for i in range(3):
+        x = hf.tokens(4, seed=i)
+        opt.zero_grad()
+        loss = ref(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    expected = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    for r in workers(2).run(hf_llama_run):
+        assert_close_to(r["params"], expected)
+        assert r["losses"] == pytest.approx(losses, rel=1e-5)
