@@ -75,6 +75,27 @@ def _exact_in_fp64(hidden, weight, labels):
                                              (g.T @ h.abs().flatten(0, -2)).max())
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(["mean", "sum"]))
+def test_with_a_bias_equals_cross_entropy_of_f_linear_in_fp32(problem, reduction):
+    """A head with a bias: F.cross_entropy(F.linear(hidden, weight, bias), labels), the bias's
+    gradient too."""
+    hidden, weight, labels, chunk = problem
+    bias = torch.randn(weight.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(labels.numel()))
+
+    def run(fn):
+        h, w, b = (t.float().requires_grad_() for t in (hidden, weight, bias))
+        loss = fn(h, w, b)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad, b.grad
+
+    got = run(lambda h, w, b: zf.chunked_cross_entropy(h, w, labels, bias=b, chunk_size=chunk, reduction=reduction))
+    want = run(lambda h, w, b: F.cross_entropy(F.linear(h, w, b).flatten(0, -2), labels.flatten(),
+                                               reduction=reduction))
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item() + 1e-30)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_bf16_within_the_bound_of_f_cross_entropy(problem):
@@ -115,6 +136,10 @@ def test_refuses_what_f_cross_entropy_would_not_compute():
         zf.chunked_cross_entropy(h, w, torch.zeros(4, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="labels must be integers"):
         zf.chunked_cross_entropy(h, w, torch.zeros(4))
+    with pytest.raises(ValueError, match="bias must be weight's"):
+        zf.chunked_cross_entropy(h, w, y, bias=torch.zeros(6))
+    with pytest.raises(ValueError, match="bias must be weight's"):
+        zf.chunked_cross_entropy(h, w, y, bias=torch.zeros(7, dtype=torch.float64))
     with pytest.raises(ValueError, match="share a dtype"):
         zf.chunked_cross_entropy(h, w.double(), y)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -177,15 +202,16 @@ def test_no_tensor_beyond_a_chunk_of_logits_and_a_float_a_token_saved():
 
 class TinyLM(nn.Module):
     """Embedding, residual blocks, a final norm; the LM head applied by the loss: ``head`` tied to the
-    embedding (``"tied"``), its own weight in the root unit (``"root"``), or a unit of its own that
-    only the loss reads (``"unit"``: ``heads.0``, gathered there and again in backward)."""
+    embedding (``"tied"``), its own weight in the root unit (``"root"``; ``"bias"``: with a bias), or
+    a unit of its own that only the loss reads (``"unit"``: ``heads.0``, gathered there and again in
+    backward)."""
 
     def __init__(self, vocab: int = 23, d: int = 8, layers: int = 2, head: str = "tied"):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.Tanh()) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
-        linear = nn.Linear(d, vocab, bias=False)
+        linear = nn.Linear(d, vocab, bias=head == "bias")
         if head == "tied":
             linear.weight = self.tok.weight
         if head == "unit":
@@ -196,6 +222,12 @@ class TinyLM(nn.Module):
 
     def head_weight(self):
         return self.get_parameter(self.head_name)
+
+    def head_bias(self):
+        return self.head.bias if hasattr(self, "head") else None
+
+    def logits(self, hidden):
+        return F.linear(hidden, self.head_weight(), self.head_bias())
 
     def forward(self, idx):
         x = self.tok(idx)
@@ -222,8 +254,11 @@ def chunked_lm_run(head: str, composition: str, read: str, steps: int = 3) -> di
 
     def loss_fn(params, b):
         idx, labels = b
-        head = params[model.head_name] if read == "params" else model.head_weight()
-        return zf.chunked_cross_entropy(zf.apply(model, params, idx), head, labels, chunk_size=5)
+        if read == "params":
+            weight, bias = params[model.head_name], params["head.bias"] if head == "bias" else None
+        else:
+            weight, bias = model.head_weight(), model.head_bias()
+        return zf.chunked_cross_entropy(zf.apply(model, params, idx), weight, labels, bias=bias, chunk_size=5)
 
     step = zf.train_step(loss_fn, zf.optim.adamw(1e-3, weight_decay=0.01))
     if composition == "recompute-offload":
@@ -249,7 +284,7 @@ def _reference(head: str, world: int, steps: int = 3) -> dict:
         b = _tokens(i, world)
         halves = [local(b, r, world) for r in range(world)]
         opt.zero_grad()
-        loss = sum(F.cross_entropy((model(idx) @ model.head_weight().T).flatten(0, 1), y.flatten())
+        loss = sum(F.cross_entropy(model.logits(model(idx)).flatten(0, 1), y.flatten())
                    for idx, y in halves) / world
         loss.backward()
         opt.step()
@@ -257,7 +292,7 @@ def _reference(head: str, world: int, steps: int = 3) -> dict:
     return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses}
 
 
-@pytest.mark.parametrize("head", ["tied", "root", "unit"])
+@pytest.mark.parametrize("head", ["tied", "root", "unit", "bias"])
 @pytest.mark.parametrize("composition,read", [("zero3", "params"), ("zero3", "stand-in"),
                                               ("recompute-offload", "params")])
 def test_in_a_zero3_step_equals_plain_pytorch(head, composition, read):

@@ -20,20 +20,23 @@ import torch
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          chunk_size: int = 1024, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+                          bias: torch.Tensor | None = None, chunk_size: int = 1024, ignore_index: int = -100,
+                          reduction: str = "mean") -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=..., reduction=...)`` without all
-    logits at once (module docstring).
+    logits at once (module docstring); with ``bias``, of ``F.linear(hidden, weight, bias)``.
 
     ``hidden``: ``(..., d)``; ``weight``: the head's ``(vocabulary, d)`` (a tied embedding's too);
+    ``bias``: the head's ``(vocabulary,)``, if it has one;
     ``labels``: ``hidden``'s leading shape, integer, ``ignore_index`` where no token is predicted.
     ``chunk_size``: tokens a chunk. ``reduction``: ``"mean"`` over the tokens not ignored (NaN if
     all are, as F.cross_entropy) or ``"sum"``. The loss is fp32 whatever the inputs' dtype.
     """
-    if torch.overrides.has_torch_function((hidden, weight)):
+    tensors = (hidden, weight) if bias is None else (hidden, weight, bias)
+    if torch.overrides.has_torch_function(tensors):
         # a tensor subclass (zfunc's stand-in for a parameter a State holds) resolves first, as for any
         # torch function, so the autograd graph meets the unit's materialized value, not the stand-in
         return torch.overrides.handle_torch_function(
-            chunked_cross_entropy, (hidden, weight), hidden, weight, labels, chunk_size=chunk_size,
+            chunked_cross_entropy, tensors, hidden, weight, labels, bias=bias, chunk_size=chunk_size,
             ignore_index=ignore_index, reduction=reduction)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"chunked_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -45,23 +48,29 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     if labels.shape != hidden.shape[:-1] or labels.is_floating_point() or labels.is_complex():
         raise ValueError(f"chunked_cross_entropy: labels must be integers shaped like hidden without its last "
                          f"dimension, {tuple(hidden.shape[:-1])}, got {labels.dtype} {tuple(labels.shape)}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != weight.dtype):
+        raise ValueError(f"chunked_cross_entropy: bias must be weight's (vocabulary,) in its dtype, "
+                         f"{tuple(weight.shape[:1])} {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"chunked_cross_entropy: hidden and weight must share a dtype (the logits' matrix "
                          f"product runs in it), got {hidden.dtype} and {weight.dtype}")
-    return _ChunkedCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1).long(),
+    return _ChunkedCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1).long(),
                                       chunk_size, ignore_index, reduction == "mean")
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """One chunk's logits, the product in the inputs' dtype (as the model's head), then fp32."""
-    return (hidden[start:end] @ weight.T).float()
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, start: int,
+                  end: int) -> torch.Tensor:
+    """One chunk's logits in the inputs' dtype (as the model's head computes them), then fp32."""
+    if bias is None:
+        return (hidden[start:end] @ weight.T).float()
+    return torch.nn.functional.linear(hidden[start:end], weight, bias).float()
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward keeps each token's log-sum-exp; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, ignore_index, mean):
+    def forward(ctx, hidden, weight, bias, labels, chunk, ignore_index, mean):
         n = hidden.shape[0]
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0)  # an ignored token gathers class 0, then counts for nothing
@@ -69,28 +78,29 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = _chunk_logits(hidden, weight, start, end)
+            logits = _chunk_logits(hidden, weight, bias, start, end)
             lse[start:end] = torch.logsumexp(logits, dim=-1)
             target = logits.gather(1, safe[start:end, None]).squeeze(1)
             total += torch.where(valid[start:end], lse[start:end] - target, 0.0).sum()
             del logits
         count = valid.sum().float()
-        ctx.save_for_backward(hidden, weight, safe, valid, lse, count)
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
         ctx.chunk, ctx.mean = chunk, mean
         return total / count if mean else total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, safe, valid, lse, count = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        hidden, weight, bias, safe, valid, lse, count = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         # all tokens ignored: the loss is NaN and the gradients are zeros, as F.cross_entropy's
         scale = grad.float() / count.clamp(min=1) if ctx.mean else grad.float()
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_bias else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
             # d loss / d logits: softmax minus the label's one-hot, times the reduction's scale, 0 if ignored
-            g = torch.exp_(_chunk_logits(hidden, weight, start, end) - lse[start:end, None])
+            g = torch.exp_(_chunk_logits(hidden, weight, bias, start, end) - lse[start:end, None])
             v = valid[start:end]
             g.scatter_add_(1, safe[start:end, None], -v[:, None].float())
             g.mul_((v.float() * scale)[:, None])
@@ -99,5 +109,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = g @ weight
             if need_weight:
                 grad_weight.addmm_(g.T.float(), hidden[start:end].float())
+            if need_bias:
+                grad_bias += g.float().sum(0)
             del g
-        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(weight.dtype), None, None, None, None)
