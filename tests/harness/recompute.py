@@ -124,3 +124,44 @@ def _compose_around(step, stage: int, spec: dict):
         kw = dict(spec["offload"])
         step = getattr(zf, "offload_" + kw.pop("kind"))(step, **kw)
     return {0: lambda s: s, 1: zf.zero1, 2: zf.zero2, 3: zf.zero3}[stage](step)
+
+
+def step_peak(recompute: bool, blocks: int = 10, d: int = 128, hidden: int = 2048, tokens: int = 512) -> dict:
+    """Run in a fresh process (``python tests/harness/recompute.py 0|1``): the RSS peak above the
+    state's over the first two steps of ``zero3(offload_cpu([recompute](f)))`` on an MLP of
+    ``blocks`` residual blocks ``d -> hidden -> d``, and the bytes of the activations inside the
+    blocks that backward would keep without recomputation (each block's hidden layer and GELU's
+    output, fp32)."""
+    from zfunc.testing import memory
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+                                        for _ in range(blocks))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + block(x)
+            return x
+
+    model = Wide()
+    step = zf.train_step(lambda p, x: zf.apply(model, p, x).square().mean(), zf.optim.adamw(1e-3))
+    step = zf.zero3(zf.offload_cpu(zf.recompute(step) if recompute else step))
+    state = step.init(model)
+    x = torch.randn(tokens, d)
+    before = memory.rss()
+    memory.reset_peak()
+    for _ in range(2):
+        state, _ = step(state, x)
+    return {"peak": memory.peak() - before, "activations": blocks * 2 * tokens * hidden * 4}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(step_peak(sys.argv[1] == "1")))
