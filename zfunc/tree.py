@@ -400,6 +400,10 @@ class ParamsSpec:
     frozen: bool  # the frozen segments rather than the trainable ones
     group: tuple[int, ...] | None = None
     swap: str | None = None  # the swap store (zfunc.swap) holding leaves on disk, by its key
+    # optimizer state of some parameters only (zf.optim.multi's members): per unit, which of its entries
+    # the leaves hold; each leaf holds just those entries' elements of the parameters' leaf, in order
+    # (``held_runs``); None: laid out like the parameters
+    held: tuple[tuple[bool, ...], ...] | None = None
 
     def segment(self, unit: int) -> Segment:
         u = self.model.units[unit]
@@ -541,6 +545,15 @@ class Params:
         return [(min(max(e.offset, start), stop) - start, min(max(e.offset + e.numel, start), stop) - start)
                 for e in self.spec.segment(unit).entries]
 
+    def leaf_start(self, unit: int) -> int:
+        """Where unit ``unit``'s leaf starts in the unit's padded flat buffer (its shard's start, and
+        where a piece of it starts: offload_nvme's)."""
+        start = self._starts.get(unit, 0)
+        if self.spec.sharded[unit]:
+            home = layout.home_numel(self.spec.segment(unit).padded, dist.world_size(self.spec.process_group), True)
+            start += layout.shard_start(dist.rank(self.spec.process_group), home)
+        return start
+
     def __repr__(self) -> str:
         units = ", ".join(
             f"{u.name or '<root>'}:{'shard' if s else 'full'}[{'unused' if t is None else t.numel()}]"
@@ -618,3 +631,58 @@ class Params:
 
 
 register_node(Params, lambda p: (p.leaves, p.spec), lambda spec, leaves: Params(spec, leaves))
+
+
+# ---------------------------------------------------------------------------
+# State held for some parameters only (``ParamsSpec.held``).
+
+
+def holding(spec: ParamsSpec, chosen) -> ParamsSpec:
+    """``spec`` for a state that holds the entries whose (canonical) names ``chosen`` selects only."""
+    model = spec.model
+    return replace(spec, held=tuple(tuple(bool(chosen(model.canonical_name(e.name))) for e in spec.segment(i).entries)
+                                    for i in range(len(spec.sharded))))
+
+
+def held_runs(spec: ParamsSpec, unit: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The elements of ``[lo, hi)`` of unit ``unit``'s padded flat buffer that a state with ``spec.held``
+    holds, as runs ``[a, b)`` in order (neighbouring entries merged): its leaf for the part of the
+    parameters' leaf that covers ``[lo, hi)`` is these runs' elements, one after another."""
+    out: list[list[int]] = []
+    for e, on in zip(spec.segment(unit).entries, spec.held[unit]):
+        a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+        if on and a < b:
+            if out and out[-1][1] == a:
+                out[-1][1] = b
+            else:
+                out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def held_count(spec: ParamsSpec, unit: int, lo: int, hi: int) -> int:
+    """Elements of ``[lo, hi)`` of unit ``unit``'s buffer that a state with ``spec.held`` holds."""
+    return sum(b - a for a, b in held_runs(spec, unit, lo, hi))
+
+
+def expand_held(spec: ParamsSpec, unit: int, compact: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+    """A held leaf (``compact``, for ``[lo, lo + n)`` of the unit's buffer) laid out like the
+    parameters' leaf: ``n`` elements, zeros where it holds nothing."""
+    full = torch.zeros(n, dtype=compact.dtype, device=compact.device)
+    at = 0
+    for a, b in held_runs(spec, unit, lo, lo + n):
+        full[a - lo : b - lo].copy_(compact[at : at + b - a])
+        at += b - a
+    return full
+
+
+def compact_held(spec: ParamsSpec, unit: int, full: torch.Tensor, lo: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``expand_held``: the held elements of ``full`` (``[lo, lo + len(full))`` of the
+    unit's buffer), into ``out`` if given."""
+    runs = held_runs(spec, unit, lo, lo + full.numel())
+    if out is None:
+        out = torch.empty(sum(b - a for a, b in runs), dtype=full.dtype, device=full.device)
+    at = 0
+    for a, b in runs:
+        out[at : at + b - a].copy_(full[a - lo : b - lo])
+        at += b - a
+    return out

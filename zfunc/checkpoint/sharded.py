@@ -61,7 +61,7 @@ from .hf_export import entry_offsets, export_saved
 from ..optim.counts import is_count
 from ..pytree import NAMESPACE, tree_unflatten
 from ..state import INNER, check_usable, wrapper_role
-from ..tree import ModelSpec, Params
+from ..tree import ModelSpec, Params, compact_held, expand_held
 
 FORMAT = 3  # 1: no checksums, parts named by their path in the composition's state; 2: a step count per unit
 READS = (2, 3)  # a format-2 unit count loads into each of the unit's parameters' counts
@@ -211,13 +211,30 @@ def _mismatch(saved, composition, world: int, what: str) -> ValueError:
 # ------------------------------------------------------------------------- saving
 
 
+def _home(node: Params, i: int, t: torch.Tensor) -> int:
+    """Elements of unit ``i``'s leaf laid out like the parameters: ``t``'s own, or for a state held for some
+    parameters only (zfunc.optim.held), the parameters' leaf's (this rank's shard, or the whole buffer)."""
+    if node.spec.held is None or is_count(t) or not t.dim():
+        return t.numel()
+    return layout.home_numel(node.spec.segment(i).padded, dist.world_size(node.spec.process_group), node.spec.sharded[i])
+
+
+def _as_laid_out(node: Params, i: int, t: torch.Tensor) -> torch.Tensor:
+    """Unit ``i``'s leaf ``t`` (in RAM) laid out like the parameters' leaf: a held state's expanded,
+    with zeros for the parameters it holds nothing of, so a checkpoint is the same either way."""
+    n = _home(node, i, t)
+    if n == t.numel() and node.spec.held is None:
+        return t
+    return expand_held(node.spec, i, t, node.leaf_start(i), n)
+
+
 def _bytes_to_write(nodes, rank: int) -> int:
     total = 0
     for node in nodes:
         if isinstance(node, Params):
-            for t, sharded in zip(node.leaves, node.spec.sharded):
+            for i, (t, sharded) in enumerate(zip(node.leaves, node.spec.sharded)):
                 if t is not None and (rank == 0 or not _is_whole(t, sharded)):
-                    total += t.numel() * t.element_size()
+                    total += _home(node, i, t) * t.element_size()
         elif isinstance(node, torch.Tensor) and rank == 0:
             total += node.numel() * node.element_size()
     return total
@@ -305,7 +322,7 @@ def _write(roles, nodes, path: str, r: int) -> dict:
                 whole = _is_whole(t, sharded)
                 units.append({"numel": _numel(t, seg), "sharded": not whole, "dtype": str(t.dtype)})
                 if r == 0 or not whole:
-                    writer.add(f"{role}#{i}", swap.load(t))  # one unit in RAM at a time
+                    writer.add(f"{role}#{i}", _as_laid_out(node, i, swap.load(t)))  # one unit in RAM at a time
             layouts[role] = units
         elif isinstance(node, torch.Tensor):
             if r == 0:
@@ -491,12 +508,13 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
                 if leaf is None or (leaf.dim() and not leaf.numel()):
                     continue
                 # this rank's part of the unit laid out for this world size: its shard, or all of it
-                start = layout.shard_start(r, leaf.numel()) if not _is_whole(leaf, sharded) else 0
+                n = _home(node, i, leaf)  # a held state's is read laid out like the parameters, then compacted
+                start = layout.shard_start(r, n) if not _is_whole(leaf, sharded) else 0
                 src, j = locate(i)
                 theirs = src.manifest["model"]["units"][j]["frozen" if node.spec.frozen else "trainable"]
-                pieces = None if is_count(leaf) else _remapped(node.spec.segment(i), theirs, start, leaf.numel())
+                pieces = None if is_count(leaf) else _remapped(node.spec.segment(i), theirs, start, n)
                 plans.append((src, src_role, j, start, pieces))
-                reads += ([(src, src_role, j, start, leaf.numel())] if pieces is None
+                reads += ([(src, src_role, j, start, n)] if pieces is None
                           else [(src, src_role, j, at, hi - lo) for lo, hi, at in pieces])
     wholes = [(saved, role, None, 0, 0) for role, node in zip(from_roles, nodes)
               if isinstance(node, torch.Tensor) and role is not None]
@@ -507,17 +525,22 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
     out, plans = [], iter(plans)
     for src_role, node in zip(from_roles, nodes):
         if isinstance(node, Params):
-            for leaf in node.leaves:
+            for i, leaf in enumerate(node.leaves):
                 if leaf is None or (leaf.dim() and not leaf.numel()):
                     continue
                 src, role, j, start, pieces = next(plans)
-                target = torch.empty(leaf.shape, dtype=leaf.dtype) if swap.on_disk(leaf) else leaf
+                n = _home(node, i, leaf)
+                held = n != leaf.numel() or (node.spec.held is not None and not is_count(leaf) and leaf.dim())
+                target = (torch.empty(n, dtype=leaf.dtype) if held or swap.on_disk(leaf) else leaf)
                 if pieces is None:
                     src.read_into(role, j, target, start)
                 else:  # saved in another owner layout: entry by entry, zeros between
                     target.zero_()
                     for lo, hi, at in pieces:
                         src.read_into(role, j, target[lo:hi], at)
+                if held:  # a state held for some parameters only: their elements (zfunc.optim.held)
+                    target = compact_held(node.spec, i, target, node.leaf_start(i),
+                                          out=None if swap.on_disk(leaf) else leaf)
                 if swap.on_disk(leaf):
                     store_of_leaf, _, _ = swap.locate(leaf)
                     store_of_leaf.write_now(target, leaf)

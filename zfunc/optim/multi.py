@@ -72,7 +72,7 @@ def multi(transforms: Mapping[str, Optimizer], param_labels: Callable[[str], str
 
     opts = {label: (t.init.restrict(own(label)) if hasattr(t.init, "restrict") else t)
             for label, t in transforms.items()}
-    whole = {label for label, t in transforms.items() if hasattr(t.init, "restrict")}
+    whole = {label for label, t in transforms.items() if hasattr(t.init, "restrict") and hasattr(t.init, "whole")}
 
     def init(params):
         for name in _names(params):

@@ -29,9 +29,11 @@ import torch
 from .base import GradInfo, Optimizer, PyTree
 from .counts import Part, counts_like, live_by_step, zero_count, zero_steps
 from .groups import Labels, at, resolve
+from .held import HeldParts, check_held, held_zeros, is_held
 from .lr import ScalarOrSchedule, as_schedule
 from ..ops import adam as fused_adam
 from ..pytree import NAMESPACE, format_path, tree_flatten, tree_map
+from ..tree import Params
 
 
 class AdamState(NamedTuple):
@@ -75,7 +77,7 @@ def adam(
     return _adam("adam", lr, betas, eps, weight_decay, decoupled=False, groups=groups, state_dtype=state_dtype)
 
 
-def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=(), state_dtype=torch.float32) -> Optimizer:
+def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=(), state_dtype=torch.float32, select=None) -> Optimizer:
     schedule_lr = as_schedule(name, lr)
     zeros = _zeros_state(name, state_dtype)
 
@@ -97,12 +99,14 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=(), state_dty
 
     def init(params):
         labels.check_names(params)
-        return AdamState(zero_count(), tree_map(zeros, params), tree_map(zeros, params), zero_steps(params))
+        return AdamState(zero_count(), _state_like(params, zeros, select), _state_like(params, zeros, select),
+                         zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
         p, g, (mu, nu), steps, lows, hs, scale = _begin(
             grads, opt_state, params, info, lowp_params, hypers, check, schedule_lr,
             trees=((opt_state.mu, "opt_state.mu"), (opt_state.nu, "opt_state.nu")))
+        held = _held_parts(opt_state.mu, params, p)
 
         def work(groups):
             # One call per distinct step count and group (one in all but rare steps without
@@ -112,15 +116,19 @@ def _adam(name, lr, betas, eps, weight_decay, *, decoupled, groups=(), state_dty
             for (step, label), parts in groups.items():
                 h = hs[label]
                 pick = lambda xs: [_part(xs[i], run) for i, run in parts]  # noqa: E731
+                pick_s = pick if held is None else lambda xs: [_part(xs[i], held.part(i, run)) for i, run in parts]  # noqa: E731
                 fused_adam.adam_update_(
-                    pick(p), pick(g), pick(mu), pick(nu), step=step + 1, lr=h["lr"], beta1=h["betas"][0],
+                    pick(p), pick(g), pick_s(mu), pick_s(nu), step=step + 1, lr=h["lr"], beta1=h["betas"][0],
                     beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"], decoupled=decoupled,
                     grad_scale=scale, lowp_params=None if lows is None else pick(lows),
                 )
 
-        _run(labels.split(live_by_step(params, g, steps, info), params), work, lows, p, g, schedule)
+        _run(_held_groups(held, labels.split(live_by_step(params, g, steps, info), params)), work, lows, p, g, schedule)
         return params, AdamState(opt_state.count + 1, opt_state.mu, opt_state.nu, opt_state.steps)
 
+    # zf.optim.multi's hook: the state for the parameters ``chosen`` selects only (zfunc.optim.held)
+    init.restrict = lambda chosen: _adam(name, lr, betas, eps, weight_decay, decoupled=decoupled, groups=groups,
+                                         state_dtype=state_dtype, select=chosen)
     return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
 
 
@@ -131,6 +139,7 @@ def sgd(
     nesterov: bool = False,
     dampening: float = 0.0,
     groups=(),
+    _select=None,
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum, the math of ``torch.optim.SGD``.
 
@@ -160,7 +169,7 @@ def sgd(
 
     def init(params):
         labels.check_names(params)
-        bufs = tree_map(_zeros_master, params) if has_momentum else None
+        bufs = _state_like(params, _zeros_master, _select) if has_momentum else None
         return SgdState(zero_count(), bufs, zero_steps(params))
 
     def update(grads, opt_state, params, *, info: GradInfo | None = None, lowp_params=None, schedule=None):
@@ -168,6 +177,7 @@ def sgd(
             grads, opt_state, params, info, lowp_params, hypers, check, schedule_lr,
             trees=((opt_state.momentum, "opt_state.momentum"),) if has_momentum else ())
         bufs_all = trees[0] if has_momentum else None
+        held = _held_parts(opt_state.momentum, params, p_all)
 
         def work(groups):
             for (step, label), parts in groups.items():
@@ -185,7 +195,8 @@ def sgd(
                 if weight_decay:
                     torch._foreach_add_(d_p, masters, alpha=weight_decay)
                 if momentum:
-                    bufs = pick(bufs_all)
+                    bufs = (pick(bufs_all) if held is None
+                            else [_part(bufs_all[i], held.part(i, run)) for i, run in parts])
                     if step == 0:
                         torch._foreach_copy_(bufs, d_p)
                     else:
@@ -202,10 +213,29 @@ def sgd(
                 if lows is not None:
                     torch._foreach_copy_(pick(lows), p)
 
-        _run(labels.split(live_by_step(params, g_all, steps, info), params), work, lows, p_all, g_all, schedule)
+        _run(_held_groups(held, labels.split(live_by_step(params, g_all, steps, info), params)), work, lows, p_all,
+             g_all, schedule)
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
+    # zf.optim.multi's hook, as adamw's
+    init.restrict = lambda chosen: sgd(lr, momentum, weight_decay, nesterov, dampening, groups, _select=chosen)
     return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
+
+
+def _state_like(params, make, select):
+    """The state laid out like ``params`` (``make`` per leaf); with ``select`` (zf.optim.multi's member)
+    and a zfunc ``Params``, for the parameters it selects only (zfunc.optim.held)."""
+    if select is None or not isinstance(params, Params):
+        return tree_map(make, params)
+    return held_zeros(params, select, make)
+
+
+def _held_parts(tree, params, p_leaves) -> HeldParts | None:
+    return HeldParts(tree.spec, params, p_leaves) if is_held(tree) else None
+
+
+def _held_groups(held: HeldParts | None, groups: dict) -> dict:
+    return groups if held is None else held.groups(groups)
 
 
 def _begin(grads, opt_state, params, info: GradInfo | None, lowp_params, hypers, check, schedule_lr, *, trees=()):
@@ -319,6 +349,9 @@ def _zeros_state(name: str, state_dtype):
 
 def _leaves_like(tree, what: str, p_leaves, spec, params) -> list[torch.Tensor]:
     """Leaves of ``tree``, checked to match the parameters leaf for leaf."""
+    if is_held(tree):  # some parameters' state only: its leaves are smaller (zfunc.optim.held)
+        check_held(tree, what, params)
+        return list(tree.leaves)
     leaves, tspec = tree_flatten(tree)
     if tspec != spec:
         raise ValueError(

@@ -32,10 +32,11 @@ import torch
 
 from .. import dist
 from ..pytree import NAMESPACE, tree_flatten, tree_map
-from ..tree import Params
+from ..tree import Params, compact_held, expand_held, held_count
 from .base import GradInfo, Optimizer, PyTree
 from .counts import counts_like, zero_count, zero_steps
 from .groups import Labels, at, leaf_names, resolve
+from .held import check_held, held_zeros, is_held
 from .lr import as_schedule
 from .owners import Cost, Placed, assign, numel_cost
 
@@ -82,7 +83,8 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
 
     def init(params):
         labels.check_names(params)
-        shaped = {k: tree_map(_zeros_master, params) for k in rule.shaped}
+        shaped = {k: (held_zeros(params, select, _zeros_master) if select is not None and isinstance(params, Params)
+                      else tree_map(_zeros_master, params)) for k in rule.shaped}
         slots: dict[str, dict] = {}
         leaves, _ = tree_flatten(params)
         for i, placed in enumerate(owners.of(params, leaves)):
@@ -115,7 +117,8 @@ def optimizer(rule: Rule, hyper: dict, check: Callable[[dict], None], groups=(),
             _check_whole(rule, params, i, p_leaves[i])
             counts = steps[i].tolist() if steps[i].dim() else [int(steps[i])]
             _update_unit(rule, todo, p_leaves[i], g_leaves[i], [shaped[k][i] for k in rule.shaped], counts,
-                         opt_state.slots, hs, labels, scale, group, steps[i].dim() > 0)
+                         opt_state.slots, hs, labels, scale, group, steps[i].dim() > 0,
+                         _held_at(opt_state.shaped, params, i))
             for p in todo:
                 if steps[i].dim():
                     steps[i][p.index] += 1
@@ -160,21 +163,44 @@ def whole_params(optimizer) -> Callable[[str], bool] | None:
     return getattr(getattr(optimizer, "init", None), "whole", None)
 
 
+def _held_at(shaped: dict, params, i: int):
+    """For a shaped state held for the selected parameters only (zfunc.optim.held): ``(spec, unit, lo)``,
+    where ``lo`` is where the parameters' leaf starts in the unit; else None."""
+    node = next(iter(shaped.values()), None)
+    if not is_held(node):
+        return None
+    check_held(node, "the shaped state", params)
+    return node.spec, i, params.leaf_start(i)
+
+
 def _update_unit(rule, todo: list[Placed], p_leaf, g_leaf, s_leaves, counts, slots, hs, labels, scale, group,
-                 per_param: bool) -> None:
+                 per_param: bool, held=None) -> None:
     """Update ``todo``'s parameters of one leaf: locally where this rank holds them whole, else by
-    gathering the unit to their owners (module docstring)."""
+    gathering the unit to their owners (module docstring). ``held``: ``_held_at``'s, for shaped state
+    held for the selected parameters only."""
     dtype = _master_dtype(p_leaf.dtype)
     p_flat, g_flat = p_leaf.view(-1), g_leaf.view(-1)
     s_flat = [s.view(-1) for s in s_leaves]
+    s_at = None
+    if held is not None:
+        spec, unit, lo = held
+        s_at = lambda start: held_count(spec, unit, lo, start)  # noqa: E731
     if todo[0].owner == -1:  # the whole buffer, which every rank updates alike (no ZeRO)
-        _run(rule, todo, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, 0, dtype, per_param)
+        _run(rule, todo, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, 0, dtype, per_param, s_at)
         return
     if not any(p.cut for p in todo):  # each in one rank's shard: its owner's
         r = dist.rank(group)
         mine = [p for p in todo if p.owner == r]
-        _run(rule, mine, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, r * p_flat.numel(), dtype, per_param)
+        _run(rule, mine, p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, r * p_flat.numel(), dtype, per_param,
+             s_at)
         _share_slots(todo, slots, group, dtype, p_flat.device)
+        return
+    if held is not None:  # the fallback gathers the state laid out like the parameters: expanded for it
+        spec, unit, lo = held
+        full = [expand_held(spec, unit, s, lo, p_flat.numel()) for s in s_flat]
+        _update_unit(rule, todo, p_leaf, g_leaf, full, counts, slots, hs, labels, scale, group, per_param)
+        for s, f in zip(s_flat, full):
+            compact_held(spec, unit, f, lo, out=s)
         return
     r, w, n = dist.rank(group), dist.world_size(group), p_flat.numel()
     pack = torch.empty(2 + len(s_flat), n, dtype=dtype, device=p_flat.device)
@@ -218,7 +244,7 @@ def _share_slots(todo: list[Placed], slots, group, dtype, device) -> None:
 
 
 def _run(rule, mine: list[Placed], p_flat, g_flat, s_flat, counts, slots, hs, labels, scale, base, dtype,
-         per_param) -> None:
+         per_param, s_at=None) -> None:
     """``rule.update`` over ``mine``, whose elements lie at ``start - base`` of the flat tensors given,
     one call per group; a parameter stored in a narrower dtype is updated in a copy and written back."""
     by_label: dict[int, list[Item]] = {}
@@ -231,7 +257,8 @@ def _run(rule, mine: list[Placed], p_flat, g_flat, s_flat, counts, slots, hs, la
         grad = g_flat[a:b].view(p.shape).to(dtype, copy=True)
         if scale != 1.0:
             grad.mul_(scale)
-        state = {k: s[a:b].view(p.shape) for k, s in zip(rule.shaped, s_flat)}
+        c = a if s_at is None else s_at(p.start)  # where it lies in the shaped state (held: zfunc.optim.held)
+        state = {k: s[c : c + b - a].view(p.shape) for k, s in zip(rule.shaped, s_flat)}
         own = slots.setdefault(p.name, {})
         state.update(own)
         item = Item(p.name, param, grad, state, counts[p.index] if per_param else counts[0])

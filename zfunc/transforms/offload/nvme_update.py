@@ -38,7 +38,7 @@ from ...optim.counts import is_count
 from ...placement import NVME
 from ...pytree import NAMESPACE, register_node
 from ...state import master_weights
-from ...tree import Params
+from ...tree import Params, held_count
 
 
 class SwapState:
@@ -132,7 +132,8 @@ def swapped_optimizer(optimizer: Optimizer, piece: int, record: dict | None = No
             pieces = (store.take_staged(leaf, step) if staged
                       else ((a, leaf[a:b].cpu()) for a, b in swap.parts(leaf.numel(), step)))
             for start, values in pieces:
-                one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)])
+                one = Params(params.spec, [values if j == i else _empty(x) for j, x in enumerate(leaves)],
+                             starts={i: start})  # where the piece lies: a state held for some parameters needs it
                 nodes, treedef = _flatten(optimizer.init(one))
                 if merged is None:
                     merged = [list(n.leaves) if isinstance(n, Params) else n for n in nodes]
@@ -140,7 +141,8 @@ def swapped_optimizer(optimizer: Optimizer, piece: int, record: dict | None = No
                     kinds = _kinds(treedef.unflatten(nodes))
                 for k, node in enumerate(nodes):
                     if isinstance(node, Params):
-                        merged[k][i] = _keep_state(store, params, i, kinds[k], node.leaves[i], merged[k][i], start)
+                        merged[k][i] = _keep_state(store, params, i, kinds[k], node.leaves[i], merged[k][i], start,
+                                                   node.spec)
                 if staged:
                     store.write_now(values.to(leaf.dtype), leaf, start * leaf.element_size())
                 del one, nodes, values
@@ -161,10 +163,24 @@ def swapped_optimizer(optimizer: Optimizer, piece: int, record: dict | None = No
     return Optimizer(init, update, fuses=True)
 
 
-def _keep_state(store: swap.SwapStore, params: Params, i: int, kind: str, t: torch.Tensor, kept, start: int):
+def _keep_state(store: swap.SwapStore, params: Params, i: int, kind: str, t: torch.Tensor, kept, start: int,
+                spec=None):
     """Unit ``i``'s state tensor ``t`` as init made it for the piece at element ``start``: where the
     state lives on disk, written into its swap file (made at the first piece) and that file's
-    placeholder returned; else ``t`` itself (a per-unit counter: the first piece's)."""
+    placeholder returned; else ``t`` itself (a per-unit counter: the first piece's). ``spec``: the
+    state node's, whose ``held`` (a state for some parameters only: zfunc.optim.held) makes its file
+    hold just their elements."""
+    if (spec is not None and spec.held is not None and params.spec.placements[i].opt_home == NVME
+            and t.dim() == 1 and not is_count(t)):
+        lo, n = params.leaf_start(i), params.leaves[i].numel()
+        total = held_count(spec, i, lo, lo + n)
+        if not total:  # it holds none of this unit: an empty tensor in RAM
+            return t if start == 0 else kept
+        if start == 0:
+            kept = store.create(i, params.spec.model.units[i].name, kind, total, t.dtype, store.offsets[i])
+        if t.numel():
+            store.write_now(t, kept, held_count(spec, i, lo, lo + start) * t.element_size())
+        return kept
     if params.spec.placements[i].opt_home == NVME and t.dim() == 1 and t.numel() and not is_count(t):
         if start == 0:
             kept = store.create(i, params.spec.model.units[i].name, kind, params.leaves[i].numel(), t.dtype,
@@ -200,6 +216,16 @@ class _Update:
         live = [i for i, g in enumerate(self.g) if g is not None and self.p[i].numel()]
         self.groups = _sub_groups(live, {i: self.p[i].numel() for i in live}, piece)
 
+    def _cut(self, k: int, piece) -> tuple[int, int]:
+        """Where ``piece``'s elements lie in state node ``k``'s leaf: the same, or for a state held for
+        some parameters only (zfunc.optim.held), their elements of it."""
+        i, a, b = piece
+        spec = self.nodes[k].spec
+        if spec.held is None:
+            return a, b
+        lo = self.params.leaf_start(i)
+        return held_count(spec, i, lo, lo + a), held_count(spec, i, lo, lo + b)
+
     # which tensors of a piece come from disk: (role, key, placeholder view, read?)
     def _disk_tensors(self, piece):
         i, a, b = piece
@@ -211,7 +237,8 @@ class _Update:
         for k in self.pnodes:
             t = self.nodes[k].leaves[i]
             if swap.on_disk(t):
-                out.append(("o", k, t[a:b], True))
+                c, d = self._cut(k, piece)
+                out.append(("o", k, t[c:d], True))
         return out
 
     def _plan(self, group) -> tuple[list, list[int]]:
@@ -272,7 +299,8 @@ class _Update:
                 elif is_count(t):  # step counts (per unit or per parameter): each piece advances a copy of
                     leaves.append(t.clone())  # the unit's counts as they were before the update
                 else:
-                    leaves.append(_held(bufs, ("o", k, piece), lambda: t[piece[1]:piece[2]]))
+                    c, d = self._cut(k, piece)
+                    leaves.append(_held(bufs, ("o", k, piece), lambda: t[c:d]))
             nodes[k] = Params(self.nodes[k].spec, leaves, starts=starts)  # the master weights, under mixed precision
         info = None if self.info is None else replace(self.info)  # each group folds anew
         new_p, new_state = apply_update(self.optimizer, Params(self.grads.spec, g), self.treedef.unflatten(nodes),
@@ -289,11 +317,12 @@ class _Update:
                 self.p[i][a:b].copy_(new_p[i])  # into the device's copy: a blocking upload
             for k in self.pnodes:
                 old, new = self.nodes[k].leaves[i], new_nodes[k].leaves[i]
+                c, d = self._cut(k, piece)
                 if swap.on_disk(old):
-                    self._write(handle, bufs, ("o", k, piece), new, old[a:b])
+                    self._write(handle, bufs, ("o", k, piece), new, old[c:d])
                 elif not is_count(old):
                     if new is not nodes_in[k].leaves[i]:
-                        old[a:b].copy_(new)
+                        old[c:d].copy_(new)
                 else:
                     self.final[k][i] = new  # step counts: every piece advanced the same copy's worth
 

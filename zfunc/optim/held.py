@@ -1,0 +1,81 @@
+"""State held for some parameters only: ``zf.optim.multi``'s members.
+
+A member of ``multi`` updates only the parameters labelled for it, so it keeps the state laid out like
+the parameters (AdamW's moments, SGD's and Muon's momentum) for those only: each unit's leaf holds,
+one after another, the member's entries' elements of the parameters' leaf (this rank's shard under
+ZeRO, a piece of it under offload_nvme), and the node's ``ParamsSpec.held`` says which entries
+(zfunc.tree: ``held_runs``, ``expand_held``, ``compact_held``). Checkpoints write such a leaf laid
+out like the parameters (zeros for the others) and read it back compacted, so a checkpoint is the
+same whichever way the state is held, and loads at any world size; offload_nvme reads and writes
+the held elements of each piece.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..tree import Params, held_count, held_runs, holding
+
+
+def held_zeros(params: Params, chosen, make) -> Params:
+    """``make(p)`` (zeros like ``p``, in the state's dtype) for the elements of the entries ``chosen``
+    selects only, each unit's leaf of ``params`` compacted to them."""
+    spec = holding(params.spec, chosen)
+    leaves = []
+    for i, leaf in enumerate(params.leaves):
+        if leaf is None:
+            leaves.append(None)
+            continue
+        lo = params.leaf_start(i)
+        n = held_count(spec, i, lo, lo + leaf.numel())
+        leaves.append(make(torch.empty(n, dtype=leaf.dtype, device=leaf.device)))
+    return Params(spec, leaves)
+
+
+def is_held(tree) -> bool:
+    return isinstance(tree, Params) and tree.spec.held is not None
+
+
+def check_held(tree, what: str, params) -> None:
+    """A held state ``tree`` matches ``params``: the same units and layout."""
+    if not isinstance(params, Params) or replace(tree.spec, held=None) != replace(params.spec, held=None):
+        raise ValueError(f"{what} holds state for some parameters only, laid out for other parameters than those "
+                         "given: make the state with the optimizer's init over the same parameters")
+
+
+class HeldParts:
+    """A held state's part for each part of the parameters' leaves an update touches."""
+
+    def __init__(self, spec, params: Params, p_leaves):
+        self.spec, self.params, self.p = spec, params, p_leaves
+        self._lo: dict[int, int] = {}
+
+    def lo(self, i: int) -> int:
+        if i not in self._lo:
+            self._lo[i] = self.params.leaf_start(i)
+        return self._lo[i]
+
+    def groups(self, groups: dict) -> dict:
+        """``groups`` (key -> [(leaf, part)]) with a whole leaf (``None``) cut into its held runs."""
+        out = {}
+        for key, parts in groups.items():
+            got = []
+            for i, part in parts:
+                if part is None:
+                    lo = self.lo(i)
+                    got += [(i, (a - lo, b - lo)) for a, b in held_runs(self.spec, i, lo, lo + self.p[i].numel())]
+                else:
+                    got.append((i, part))
+            if got:
+                out[key] = got
+        return out
+
+    def part(self, i: int, part: tuple[int, int]) -> tuple[int, int]:
+        """Where the parameters' leaf ``i``'s elements ``part`` lie in the held leaf."""
+        lo = self.lo(i)
+        a = held_count(self.spec, i, lo, lo + part[0])
+        if held_count(self.spec, i, lo + part[0], lo + part[1]) != part[1] - part[0]:
+            raise ValueError(f"an update of unit {i}'s elements {part} covers parameters its state does not hold "
+                             "(zf.optim.multi marks the other members' parameters as without gradient)")
+        return a, a + part[1] - part[0]
