@@ -96,7 +96,7 @@ class CausalLMLoss(torch.nn.Module):
         self.llama, self.chunk = llama, chunk
 
     def forward(self, ids, labels):
-        hidden = self.llama.model(input_ids=ids).last_hidden_state
+        hidden = self.llama.model(input_ids=ids, use_cache=False).last_hidden_state
         return zf.chunked_cross_entropy(hidden, self.llama.lm_head.weight, labels, chunk_size=self.chunk)
 
 
