@@ -66,31 +66,39 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.nn.functional.linear(hidden[start:end], weight, bias).float()
 
 
+def _shifted(logits: torch.Tensor) -> torch.Tensor:
+    """Each row less its largest, in place: log-softmax as F.cross_entropy forms it (``shifted -
+    log sum exp(shifted)``), so a confident token's small loss is not the difference of two large
+    numbers. Backward finds the same maxima in the same recomputed logits, so only the sums are kept."""
+    return logits.sub_(logits.amax(dim=-1, keepdim=True))
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Forward keeps each token's log-sum-exp; backward recomputes each chunk's logits."""
+    """Forward keeps one float a token (the log-sum-exp of its shifted logits); backward recomputes
+    each chunk's logits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk, ignore_index, mean):
         n = hidden.shape[0]
         valid = labels != ignore_index
         safe = torch.where(valid, labels, 0)  # an ignored token gathers class 0, then counts for nothing
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        sums = torch.empty(n, dtype=torch.float32, device=hidden.device)  # log sum exp of the shifted logits
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = _chunk_logits(hidden, weight, bias, start, end)
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, safe[start:end, None]).squeeze(1)
-            total += torch.where(valid[start:end], lse[start:end] - target, 0.0).sum()
-            del logits
+            shifted = _shifted(_chunk_logits(hidden, weight, bias, start, end))
+            sums[start:end] = torch.logsumexp(shifted, dim=-1)
+            target = shifted.gather(1, safe[start:end, None]).squeeze(1)
+            total += torch.where(valid[start:end], sums[start:end] - target, 0.0).sum()
+            del shifted
         count = valid.sum().float()
-        ctx.save_for_backward(hidden, weight, bias, safe, valid, lse, count)
+        ctx.save_for_backward(hidden, weight, bias, safe, valid, sums, count)
         ctx.chunk, ctx.mean = chunk, mean
         return total / count if mean else total
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, safe, valid, lse, count = ctx.saved_tensors
+        hidden, weight, bias, safe, valid, sums, count = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         # all tokens ignored: the loss is NaN and the gradients are zeros, as F.cross_entropy's
         scale = grad.float() / count.clamp(min=1) if ctx.mean else grad.float()
@@ -100,7 +108,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
             # d loss / d logits: softmax minus the label's one-hot, times the reduction's scale, 0 if ignored
-            g = torch.exp_(_chunk_logits(hidden, weight, bias, start, end) - lse[start:end, None])
+            g = torch.exp_(_shifted(_chunk_logits(hidden, weight, bias, start, end)).sub_(sums[start:end, None]))
             v = valid[start:end]
             g.scatter_add_(1, safe[start:end, None], -v[:, None].float())
             g.mul_((v.float() * scale)[:, None])
