@@ -13,11 +13,12 @@ parameter is updated by its label's optimizer only, equal to the torch optimizer
 over its own parameters. A whole-tensor optimizer (muon, adafactor, ``from_torch``) is made over its
 own parameters (it updates, counts and keeps slots for those only); an elementwise one (adamw, adam,
 sgd) runs over the flat buffers with the other labels' parameters marked as without gradient
-(``GradInfo.live``), so they get no update, no decay and no step count from it. Both keep the state
-that is laid out like the parameters (AdamW's moments, Muon's momentum) over every unit's flat
-buffer, the others' parameters included (their entries stay zero): checkpoints, offload and
-resharding read such state by the parameters' layout. (Not yet: each member's state for its own
-parameters only, docs/optim.md.)
+(``GradInfo.live``), so they get no update, no decay and no step count from it. Each member made
+through its ``init.restrict`` (adamw, adam, sgd and the whole-tensor ones) keeps its state laid out
+like the parameters (AdamW's moments, SGD's and Muon's momentum) for its own parameters only: each
+unit's leaf holds just their elements of the parameters' leaf (zfunc.optim.held), which checkpoints
+write laid out like the parameters and offload_nvme streams piece by piece. (A member without the
+hook, a ``chain``, keeps it over every parameter, the others' entries zero.)
 
 The state is a dict from label to that optimizer's state.
 """
