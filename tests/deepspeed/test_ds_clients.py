@@ -5,6 +5,7 @@ real DeepSpeed 0.19 (CPU accelerator, gloo) in the same environment, launched by
 - an ordinary Accelerate loop with its DeepSpeed plugin (``prepare``, ``accumulate``,
   ``backward``, ``optimizer.step()``, ``scheduler.step()``, ``unwrap_model``, ``get_state_dict``,
   ``save_state`` / ``load_state``), ZeRO-2 and ZeRO-3, at W = 1 and 2, and bf16 (within its bound);
+  and ``accelerate launch --config_file`` with a ``deepspeed_config_file`` (ZeRO-2 and 3, W = 2);
 - TRL's ``SFTTrainer`` (``SFTConfig(deepspeed=...)``, a text data set it tokenizes) under ZeRO-2 at
   W = 1 and 2; under ZeRO-3 its fused LM head is refused at initialize, by name;
 - Lightning's ``DeepSpeedStrategy`` (ZeRO-2 at W = 1 and 2, ZeRO-3 at W = 2, with
@@ -249,6 +250,51 @@ def test_trl_sft_trainer_zero3_is_refused(tmp_path, model_folder):
     case = {"model": model_folder, "config": hf_trainer.ds_config(3), "steps": 1}
     with pytest.raises(AssertionError, match="fused LM head"):
         ds_clients.run("zfunc", "trl", case, str(tmp_path / "zfunc"), 1)
+
+
+def _accelerate_launch(folder, stage: int, zfunc: bool) -> list[dict]:
+    """``accelerate launch --config_file`` (``distributed_type: DEEPSPEED`` with a
+    ``deepspeed_config_file``, two processes on the CPU) of tests/harness/ds_accelerate_script.py,
+    with the switch on or off; each rank's record."""
+    import json
+    import os
+    import subprocess
+    import sys
+    os.makedirs(folder, exist_ok=True)
+    ds_json, yaml = os.path.join(folder, "ds_config.json"), os.path.join(folder, "accelerate.yaml")
+    with open(ds_json, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": stage}}, f)
+    with open(yaml, "w") as f:
+        f.write("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
+                f"  deepspeed_config_file: {ds_json}\n  zero3_init_flag: false\nnum_processes: 2\n"
+                "num_machines: 1\nmachine_rank: 0\nmain_training_function: main\nuse_cpu: true\n")
+    script = os.path.join(os.path.dirname(ds_clients.__file__), "ds_accelerate_script.py")
+    out = os.path.join(folder, "record")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore",
+               ZFUNC_AS_DEEPSPEED="1" if zfunc else "0")
+    done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml, script, out],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=folder)
+    assert done.returncode == 0, done.stderr[-6000:]
+    records = []
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            records.append(json.load(f))
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_launch_with_a_deepspeed_config_file(tmp_path, stage):
+    """``accelerate launch --config_file`` naming a DeepSpeed config file runs an unchanged Accelerate
+    script (``Accelerator()`` with no plugin: the launcher's environment says DeepSpeed) on zfunc's
+    engine with the switch on, on DeepSpeed's with it off: every rank's losses equal to 1e-5."""
+    ours = _accelerate_launch(str(tmp_path / "zfunc"), stage, True)
+    theirs = _accelerate_launch(str(tmp_path / "deepspeed"), stage, False)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["engine"] == "zfunc.deepspeed.engine" and b["engine"] == "deepspeed.runtime.engine", rank
+        assert len(a["losses"]) == len(b["losses"]) == 8, rank
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), **FP32)
 
 
 def _lightning_config(stage: int) -> dict:
