@@ -11,6 +11,7 @@ the held elements of each piece.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import replace
 
 import torch
@@ -49,12 +50,27 @@ class HeldParts:
 
     def __init__(self, spec, params: Params, p_leaves):
         self.spec, self.params, self.p = spec, params, p_leaves
-        self._lo: dict[int, int] = {}
+        self._runs: dict[int, tuple[list[int], list[int], list[int]]] = {}
 
-    def lo(self, i: int) -> int:
-        if i not in self._lo:
-            self._lo[i] = self.params.leaf_start(i)
-        return self._lo[i]
+    def runs(self, i: int) -> tuple[list[int], list[int], list[int]]:
+        """Leaf ``i``'s held runs in the leaf's elements: their starts, their ends, and how many held
+        elements come before each (worked out once per update)."""
+        if i not in self._runs:
+            lo = self.params.leaf_start(i)
+            starts, ends, before, n = [], [], [], 0
+            for a, b in held_runs(self.spec, i, lo, lo + self.p[i].numel()):
+                starts.append(a - lo)
+                ends.append(b - lo)
+                before.append(n)
+                n += b - a
+            self._runs[i] = (starts, ends, before)
+        return self._runs[i]
+
+    def count(self, i: int, x: int) -> int:
+        """Held elements of leaf ``i`` before its element ``x``."""
+        starts, ends, before = self.runs(i)
+        k = bisect.bisect_right(starts, x) - 1
+        return 0 if k < 0 else before[k] + min(x, ends[k]) - starts[k]
 
     def groups(self, groups: dict) -> dict:
         """``groups`` (key -> [(leaf, part)]) with a whole leaf (``None``) cut into its held runs."""
@@ -63,8 +79,8 @@ class HeldParts:
             got = []
             for i, part in parts:
                 if part is None:
-                    lo = self.lo(i)
-                    got += [(i, (a - lo, b - lo)) for a, b in held_runs(self.spec, i, lo, lo + self.p[i].numel())]
+                    starts, ends, _ = self.runs(i)
+                    got += [(i, (a, b)) for a, b in zip(starts, ends)]
                 else:
                     got.append((i, part))
             if got:
@@ -73,9 +89,8 @@ class HeldParts:
 
     def part(self, i: int, part: tuple[int, int]) -> tuple[int, int]:
         """Where the parameters' leaf ``i``'s elements ``part`` lie in the held leaf."""
-        lo = self.lo(i)
-        a = held_count(self.spec, i, lo, lo + part[0])
-        if held_count(self.spec, i, lo + part[0], lo + part[1]) != part[1] - part[0]:
+        a, b = self.count(i, part[0]), self.count(i, part[1])
+        if b - a != part[1] - part[0]:
             raise ValueError(f"an update of unit {i}'s elements {part} covers parameters its state does not hold "
                              "(zf.optim.multi marks the other members' parameters as without gradient)")
-        return a, a + part[1] - part[0]
+        return a, b

@@ -139,7 +139,6 @@ def sgd(
     nesterov: bool = False,
     dampening: float = 0.0,
     groups=(),
-    _select=None,
 ) -> Optimizer:
     """SGD with optional (Nesterov) momentum, the math of ``torch.optim.SGD``.
 
@@ -147,6 +146,10 @@ def sgd(
     the parameters that use other values (``zf.optim.group``: ``lr``, ``momentum``,
     ``weight_decay``, ``nesterov``, ``dampening``).
     """
+    return _sgd(lr, momentum, weight_decay, nesterov, dampening, groups)
+
+
+def _sgd(lr, momentum, weight_decay, nesterov, dampening, groups, _select=None) -> Optimizer:
     schedule_lr = as_schedule("sgd", lr)
 
     def check(h):
@@ -218,7 +221,7 @@ def sgd(
         return params, SgdState(opt_state.count + 1, opt_state.momentum, opt_state.steps)
 
     # zf.optim.multi's hook, as adamw's
-    init.restrict = lambda chosen: sgd(lr, momentum, weight_decay, nesterov, dampening, groups, _select=chosen)
+    init.restrict = lambda chosen: _sgd(lr, momentum, weight_decay, nesterov, dampening, groups, chosen)
     return Optimizer(init, update, fuses=True, defers=True, lr=schedule_lr)
 
 
