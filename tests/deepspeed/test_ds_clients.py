@@ -9,7 +9,8 @@ real DeepSpeed 0.19 (CPU accelerator, gloo) in the same environment, launched by
 - TRL's ``SFTTrainer`` (``SFTConfig(deepspeed=...)``, a text data set it tokenizes) under ZeRO-2 at
   W = 1 and 2; under ZeRO-3 its fused LM head is refused at initialize, by name;
 - Lightning's ``DeepSpeedStrategy`` (ZeRO-2 at W = 1 and 2, ZeRO-3 at W = 2, with
-  ``accumulate_grad_batches``), on the CPU through an accelerator that passes its CUDA-only check.
+  ``accumulate_grad_batches``; a checkpoint saved after 2 steps resumed by a new Trainer, ZeRO-2
+  and 3), on the CPU through an accelerator that passes its CUDA-only check.
 
 The launches are slow (two torchrun runs a case); the fast tests check in one process what these
 clients ask of the engine that the Trainer does not: Accelerate's scheduler built on the script's
@@ -107,6 +108,49 @@ def _lightning_step(engine, scheduler, x, y, steps_per_update=1):
     engine.step()
     for _ in range(steps_per_update):
         scheduler.step()
+
+
+def test_lightnings_resume_restores_the_scheduler_it_took(tmp_path):
+    """Lightning's resume, in one process: the engine's ``load_checkpoint(load_lr_scheduler_states=False)``
+    with the optimizer's states (the engine holds no scheduler: the script took it), then the taken
+    scheduler's ``load_state_dict`` with the state saved at the same update, accepted; the next
+    updates step it as before and train as the uninterrupted run. A state of another update is
+    refused, naming ``load_checkpoint``."""
+    lam = lambda k: [0.0, 1.0, 0.5, 0.25, 0.125][min(k, 4)]  # noqa: E731
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(4)]
+
+    def job():
+        model = Net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        engine, *_ = zds.initialize(model=model, optimizer=optimizer, config=config,
+                                    lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lam))
+        scheduler, engine.lr_scheduler = engine.lr_scheduler, None
+        return engine, scheduler
+
+    whole, whole_sched = job()
+    for x, y in data:
+        _lightning_step(whole, whole_sched, x, y)
+    first, first_sched = job()
+    for x, y in data[:2]:
+        _lightning_step(first, first_sched, x, y)
+    first.save_checkpoint(str(tmp_path), tag="checkpoint")
+    saved = first_sched.state_dict()
+    first.close()
+    resumed, sched = job()
+    resumed.load_checkpoint(str(tmp_path), tag="checkpoint", load_optimizer_states=True,
+                            load_lr_scheduler_states=False)
+    with pytest.raises(NotImplementedError, match="load_checkpoint"):
+        sched.load_state_dict({**saved, "last_epoch": saved["last_epoch"] + 1})
+    sched.load_state_dict(saved)
+    for x, y in data[2:]:
+        _lightning_step(resumed, sched, x, y)
+    for name, t in whole.params().items():
+        torch.testing.assert_close(resumed.params()[name], t, **FP32)
+    assert sched.get_last_lr() == whole_sched.get_last_lr()
+    resumed.close()
+    whole.close()
 
 
 def test_what_lightnings_deepspeed_strategy_does_with_the_engine():
@@ -313,6 +357,21 @@ def test_lightning_deepspeed_strategy(tmp_path, model_folder, stage, world, gas)
     case = {"model": model_folder, "config": _lightning_config(stage), "gas": gas, "steps": 3}
     ours, theirs = _both(tmp_path, "lightning", world, case)
     _same(ours, theirs, keys=("losses", "lrs"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_resumes_from_its_checkpoint(tmp_path, model_folder, stage):
+    """Lightning's ``trainer.save_checkpoint`` after 2 steps (the engine's ``save_checkpoint`` with
+    Lightning's state as client state), then a new Trainer's ``fit(ckpt_path=)`` to step 4: the engine's
+    ``load_checkpoint`` restores the update count, and the scheduler's state Lightning loads next is
+    accepted as the same update's. Every loss, the resumed job's included, and the last lr equal
+    DeepSpeed's (W = 2)."""
+    case = {"model": model_folder, "config": _lightning_config(stage), "steps": 4, "resume_at": 2}
+    ours, theirs = _both(tmp_path, "lightning", 2, case)
+    _same(ours, theirs, keys=("losses", "lrs"))
+    for a, b in zip(ours, theirs):
+        assert a["resumed_from"] == b["resumed_from"] == 2 and len(a["losses"]) == len(b["losses"]) > 2
 
 
 @pytest.mark.slow

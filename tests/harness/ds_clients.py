@@ -15,6 +15,7 @@ start), ``run("deepspeed", ...)`` with it off. Nothing in the script names zfunc
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -195,7 +196,9 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
     around the tiny Llama: AdamW and transformers' linear warmup scheduler from
     ``configure_optimizers`` (stepped by Lightning every step), ``accumulate_grad_batches``,
     ``gradient_clip_val``. On the CPU through ``cpu_as_cuda()``; ``cpu_accelerator``: Lightning's own
-    ``"cpu"`` accelerator (which its DeepSpeed strategy refuses)."""
+    ``"cpu"`` accelerator (which its DeepSpeed strategy refuses); ``resume_at``: a first Trainer fits
+    that many steps and ``save_checkpoint``s, a new one fits on with ``ckpt_path=`` (``resumed_from``:
+    how many losses the first recorded)."""
     import lightning.pytorch as pl
     import torch
     import transformers
@@ -216,17 +219,28 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
             scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 1, steps)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    pl.seed_everything(0)
-    module = Lit(_model(case["model"], seen))
-    loader = torch.utils.data.DataLoader(hf_trainer.Tokens(), batch_size=BATCH, shuffle=True,
-                                         generator=torch.Generator().manual_seed(2))
-    accelerator = "gpu" if torch.cuda.is_available() else "cpu" if case.get("cpu_accelerator") else cpu_as_cuda()
-    trainer = pl.Trainer(accelerator=accelerator, devices=world, num_nodes=1,
-                         strategy=DeepSpeedStrategy(config=case["config"]), precision="32-true", max_steps=steps,
-                         accumulate_grad_batches=case.get("gas", 1), gradient_clip_val=1.0, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=out)
-    trainer.fit(module, loader)
+    def fit(max_steps, ckpt_path=None):
+        pl.seed_everything(0)
+        module = Lit(_model(case["model"], seen))
+        loader = torch.utils.data.DataLoader(hf_trainer.Tokens(), batch_size=BATCH, shuffle=True,
+                                             generator=torch.Generator().manual_seed(2))
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu" if case.get("cpu_accelerator") else cpu_as_cuda()
+        trainer = pl.Trainer(accelerator=accelerator, devices=world, num_nodes=1,
+                             strategy=DeepSpeedStrategy(config=copy.deepcopy(case["config"])), precision="32-true",
+                             max_steps=max_steps, accumulate_grad_batches=case.get("gas", 1), gradient_clip_val=1.0,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out)
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+        return trainer
+
+    resume_at = case.get("resume_at")  # a first job's checkpoint after that many steps, resumed by a new job
+    if resume_at:
+        path = os.path.join(out, "lightning.ckpt")
+        fit(resume_at).save_checkpoint(path)
+        seen["resumed_from"] = len(seen["losses"])
+        trainer = fit(steps, ckpt_path=path)
+    else:
+        trainer = fit(steps)
     seen["lrs"] = [float(trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])]
 
 

@@ -78,6 +78,12 @@ class DeepSpeedEngine(Engine, nn.Module):
         return self.model
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, *args, **kwargs):
+        if kwargs.get("load_lr_scheduler_states") is False and self.lr_scheduler is None:
+            # the script took the scheduler from the engine (Lightning: engine.lr_scheduler = None) and
+            # restores it itself: DeepSpeed has no scheduler to skip here. zfunc's schedule is the update
+            # count, loaded with the optimizer's states; the script's scheduler accepts a state of that
+            # same update (SchedulerHandle.load_state_dict)
+            kwargs["load_lr_scheduler_states"] = True
         cpu = torch.get_rng_state()
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         try:

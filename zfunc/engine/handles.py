@@ -181,8 +181,17 @@ class SchedulerHandle:
         return {"last_batch_iteration": self.last_batch_iteration}
 
     def load_state_dict(self, state_dict: dict):
-        raise NotImplementedError("lr_scheduler.load_state_dict(): the schedule follows the update count, which "
-                                  "engine.load_checkpoint(dir) restores")
+        """The schedule follows the update count, which ``engine.load_checkpoint(dir)`` restores: a
+        state saved at the update the engine is at now is accepted (Lightning's resume loads the
+        scheduler's state after the engine's checkpoint), and a scheduler the script steps itself
+        counts the restored updates as stepped; a state of another update is refused."""
+        key = "last_epoch" if self.kind == "torch" else "last_batch_iteration"
+        saved, now = state_dict.get(key), getattr(self, key)
+        if saved != now:
+            raise NotImplementedError(
+                f"lr_scheduler.load_state_dict(): a state saved at {key} {saved}, the engine is at {now}; the "
+                "schedule follows the update count, which engine.load_checkpoint(dir) restores: load that first")
+        self._steps = self._updates
 
 
 def _config_hyperparameters(config) -> dict:
