@@ -6,17 +6,20 @@ real DeepSpeed 0.19 (CPU accelerator, gloo) in the same environment, launched by
   ``backward``, ``optimizer.step()``, ``scheduler.step()``, ``unwrap_model``, ``get_state_dict``,
   ``save_state`` / ``load_state``), ZeRO-2 and ZeRO-3, at W = 1 and 2, and bf16 (within its bound);
   and ``accelerate launch --config_file`` with a ``deepspeed_config_file`` (ZeRO-2 and 3, W = 2);
-- TRL's ``SFTTrainer`` (``SFTConfig(deepspeed=...)``, a text data set it tokenizes) under ZeRO-2 at
-  W = 1 and 2; under ZeRO-3 its fused LM head is refused at initialize, by name;
+- TRL's ``SFTTrainer`` (``SFTConfig(deepspeed=...)``, a text data set it tokenizes) under ZeRO-2 and
+  ZeRO-3 (its fused LM head reads ``ds_status`` off the head's weight and the weight it saved) at
+  W = 1 and 2;
 - Lightning's ``DeepSpeedStrategy`` (ZeRO-2 at W = 1 and 2, ZeRO-3 at W = 2, with
   ``accumulate_grad_batches``; a checkpoint saved after 2 steps resumed by a new Trainer, ZeRO-2
   and 3), on the CPU through an accelerator that passes its CUDA-only check.
 
 The launches are slow (two torchrun runs a case); the fast tests check in one process what these
 clients ask of the engine that the Trainer does not: Accelerate's scheduler built on the script's
-optimizer before ``prepare``; TRL's fused LM head refused under ZeRO-3; Lightning's scheduler taken
+optimizer before ``prepare``; a head read outside its module as TRL's fused LM head reads it;
+Lightning's resume restoring the scheduler it took; Lightning's scheduler taken
 from the engine and stepped by it, ``optimizer.state``, ``model.cpu()`` at teardown and
 ``deepspeed.utils.logging.logger``."""
+import contextlib
 import copy
 import functools
 import types
@@ -83,22 +86,68 @@ def test_a_scheduler_built_on_the_scripts_optimizer_before_initialize_sets_the_l
     engine.close()
 
 
-def _fused_lm_head_forward(model):
-    """The shape of TRL's patched forward (``trl.add_fused_lm_head``): the instance's own, wrapping the
-    class's signature, with a keyword ``fused_lm_head``."""
-    @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_lm_head=False, **kwargs):
-        return type(model).forward(self, *args, **kwargs)
+class _HeadFunction(torch.autograd.Function):
+    """TRL's chunked log-prob function's shape: it takes the head's weight, saves it for backward and,
+    in the backward, asks the saved tensor for ``ds_status`` (to gather it if not available)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t() + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        _seen.append(("backward", weight.ds_status))
+        return grad @ weight, grad.t() @ x, grad.sum(0)
+
+
+_seen: list = []
+
+
+def _trl_like(model):
+    """A forward that reads ``head.weight`` outside the head's forward, as TRL's fused LM head does,
+    gathering it through ``GatheredParameters`` when its ``ds_status`` says it is not available."""
+    from zfunc.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        weight, bias = self.head.weight, self.head.bias
+        _seen.append(("forward", weight.ds_status))
+        gather = weight.ds_status != ZeroParamStatus.AVAILABLE
+        with zds.zero.GatheredParameters([weight, bias]) if gather else contextlib.nullcontext():
+            return F.cross_entropy(_HeadFunction.apply(x, weight, bias), y)
     model.forward = types.MethodType(forward, model)
     return model
 
 
-def test_trls_fused_lm_head_is_refused_under_zero3_only():
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
-    with pytest.raises(NotImplementedError, match="fused LM head.*ZeRO-3.*ZeRO-2"):
-        zds.initialize(model=_fused_lm_head_forward(Net()), config={**config, "zero_optimization": {"stage": 3}})
-    engine, *_ = zds.initialize(model=_fused_lm_head_forward(Net()), config={**config, "zero_optimization": {"stage": 2}})
+def test_a_head_read_outside_its_module_reads_ds_status_as_under_deepspeed():
+    """TRL's fused LM head under ZeRO-3, in small: the tensor the forward reads for ``head.weight``
+    (the step's view) and the one its autograd function saved (a new tensor object in the backward)
+    both read ``ds_status`` AVAILABLE, so nothing is gathered inside the step; the losses equal the
+    plain model's. Outside the step the parameter reads NOT_AVAILABLE, and a tensor that is not
+    ZeRO's has no ``ds_status``, as under DeepSpeed."""
+    from zfunc.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    reference, *_ = zds.initialize(model=Net(), config=config)
+    engine, *_ = zds.initialize(model=_trl_like(Net()), config=config)
+    _seen.clear()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+        losses = []
+        for e in (engine, reference):
+            losses.append(e(x, y))
+            e.backward(losses[-1])
+            e.step()
+        torch.testing.assert_close(losses[0].detach(), losses[1].detach(), **FP32)
+    assert _seen == [("forward", ZeroParamStatus.AVAILABLE), ("backward", ZeroParamStatus.AVAILABLE)] * 3, _seen
+    assert engine.module.head.weight.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    assert not hasattr(torch.zeros(2), "ds_status")
     engine.close()
+    reference.close()
 
 
 def _lightning_step(engine, scheduler, x, y, steps_per_update=1):
@@ -288,12 +337,14 @@ def test_trl_sft_trainer_zero2(tmp_path, model_folder, world):
 
 
 @pytest.mark.slow
-def test_trl_sft_trainer_zero3_is_refused(tmp_path, model_folder):
-    """Under ZeRO-3 TRL's fused LM head asks its saved weight for ``ds_status`` in the backward: zfunc
-    refuses it at initialize, naming it (real DeepSpeed trains it)."""
-    case = {"model": model_folder, "config": hf_trainer.ds_config(3), "steps": 1}
-    with pytest.raises(AssertionError, match="fused LM head"):
-        ds_clients.run("zfunc", "trl", case, str(tmp_path / "zfunc"), 1)
+@pytest.mark.parametrize("world", [1, 2])
+def test_trl_sft_trainer_zero3(tmp_path, model_folder, world):
+    """TRL's SFTTrainer under ZeRO-3, its fused LM head included (it reads ``ds_status`` off
+    ``lm_head.weight`` in the forward and off the weight it saved, in the backward), two micro-batches
+    an update: losses, the logged gradient norms, lrs and TRL's mean token accuracy equal DeepSpeed's."""
+    case = {"model": model_folder, "config": hf_trainer.ds_config(3), "gas": 2, "steps": 3}
+    ours, theirs = _both(tmp_path, "trl", world, case)
+    _same(ours, theirs, keys=("losses", "grad_norm", "learning_rate", "mean_token_accuracy"))
 
 
 def _accelerate_launch(folder, stage: int, zfunc: bool) -> list[dict]:

@@ -60,6 +60,7 @@ class DeepSpeedEngine(Engine, nn.Module):
         self._stand_in_of = {i: now[n] for i, n in names.items() if n in now}
         _bind_outside_steps(self, model)
         if self.zero_optimization_partition_weights():
+            _install_status()
             _mark_partitioned(model)
 
     # nn.Module.__init__ sets ``training``; the mode is the model's (Engine.train / eval)
@@ -182,6 +183,32 @@ class _Gathered:
             names = [n for n, _ in self.engine.model.named_parameters()]
             self.values = sixteen_bit.state_dict(self.engine.state, names, self.engine.config.compute_dtype)
         return self.values[name]
+
+
+def _status_of(t: torch.Tensor):
+    """``tensor.ds_status`` (installed on ``torch.Tensor`` by the first ZeRO-3 engine): what was set on
+    the tensor (DeepSpeed's own, zfunc's stand-ins and placeholders), else ``AVAILABLE`` inside a zfunc
+    step (its forward and backward, a forward outside steps, a ``GatheredParameters`` block: every
+    tensor a client holds there is a full value), else no such attribute, as for any tensor that is
+    not ZeRO's. DeepSpeed's clients read it off the tensors they hold: TRL's fused LM head reads it off
+    ``lm_head.weight`` in the forward (the step's view of the gathered unit) and off the weight it
+    saved for backward, which autograd gives back as a new tensor object (a saved non-leaf under
+    saved-tensor hooks), so no attribute set on the view could reach it."""
+    d = t.__dict__
+    if "ds_status" in d:
+        return d["ds_status"]
+    if lazy.current() is not None:
+        return ZeroParamStatus.AVAILABLE
+    raise AttributeError(f"'{type(t).__name__}' object has no attribute 'ds_status'")
+
+
+def _set_status(t: torch.Tensor, value) -> None:
+    t.__dict__["ds_status"] = value
+
+
+def _install_status() -> None:
+    if not isinstance(torch.Tensor.__dict__.get("ds_status"), property):
+        torch.Tensor.ds_status = property(_status_of, _set_status)
 
 
 def _mark_partitioned(model: nn.Module) -> None:

@@ -75,7 +75,6 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if isinstance(model, nn.Module):
         zero.unspill(model)  # a ZeRO-3 Init's placeholders in their full shapes (the config and engine read them)
     cfg = config_for(model, raw)
-    _refuse_fused_lm_head_under_zero3(model, raw)
     if isinstance(model, PipelineModule):
         return _pipeline(model, cfg, optimizer, lr_scheduler, training_data, collate_fn)
     zopt, schedule, scheduler_kind, groups, group_schedules = _optimizer_and_schedule(
@@ -129,25 +128,6 @@ def _config(args, config, config_params) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
     return config
-
-
-def _refuse_fused_lm_head_under_zero3(model, raw: dict) -> None:
-    """TRL's trainers (``SFTTrainer``, ``GRPOTrainer``) patch the model's forward with a fused LM head
-    (``trl.add_fused_lm_head``: ``model(..., fused_lm_head=True)``) that reads ``lm_head.weight``
-    outside the head's forward and, under ZeRO-3, asks the tensor it saved for its backward for
-    DeepSpeed's ``ds_status``. Inside zfunc's step that tensor is a view of the gathered unit (a
-    fresh object in the backward), which carries no ``ds_status``: refused here by name rather than
-    failing at the first backward."""
-    if (raw.get("zero_optimization") or {}).get("stage", 0) != 3:
-        return
-    for m in model.modules():  # the patched forward is the instance's own (its signature wraps the class's)
-        code = getattr(getattr(m.__dict__.get("forward"), "__func__", None), "__code__", None)
-        if code is not None and "fused_lm_head" in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
-            raise NotImplementedError(
-                "a fused LM head (TRL's SFTTrainer / GRPOTrainer patch the model's forward with "
-                "trl.add_fused_lm_head) under ZeRO-3 is not supported: it asks the lm_head weight saved for its "
-                "backward for DeepSpeed's ds_status, which zfunc's step tensors do not carry. Use ZeRO-2 "
-                "(zero_optimization.stage 2) with TRL's trainers, or transformers' Trainer under ZeRO-3")
 
 
 # ----------------------------------------------------------------- optimizer and schedule

@@ -512,7 +512,7 @@ class GatheredParameters:
         _open.update(self._keys)
         self._stack.callback(_open.difference_update, self._keys)
         self._stack.enter_context(lazy.resolving(_Values(values, lazy.current())))
-        marked = [p for p in held if hasattr(p, "ds_status")]  # DeepSpeed's status, as its clients read it
+        marked = [p for p in held if "ds_status" in p.__dict__]  # DeepSpeed's status, as its clients read it
         for p in marked:
             p.ds_status = ZeroParamStatus.AVAILABLE
         self._stack.callback(_mark, marked, ZeroParamStatus.NOT_AVAILABLE)
