@@ -12,7 +12,7 @@ import torch
 
 import zfunc as zf
 from assertions import assert_close_to
-from zfunc.checkpoint.hf_export import entry_offsets
+from checkpoints import assert_same_entries
 from models import batch, build, local, loss
 from optim_reference import torch_recipe, train_torch, zfunc_recipe
 from workers import workers
@@ -51,36 +51,6 @@ def load_and_go_on(opt_name: str, stage: int, directory: str, again: str) -> dic
     for i in range(BEFORE, BEFORE + AFTER):
         state, _ = step(state, local(batch("gpt", twin, i, BATCH), rank, world))
     return {"loaded": loaded, "params": zf.gather_params(state)}
-
-
-def assert_same_entries(source: str, target: str) -> int:
-    """Every part of the two checkpoints holds the same numbers, parameter by parameter: the units'
-    flat layouts differ where an owner layout's gaps depend on the world size. Returns how many
-    units' layouts differ."""
-    differ = 0
-    src = zf.checkpoint.Saved(zf.checkpoint.resolve(source))
-    tgt = zf.checkpoint.Saved(zf.checkpoint.resolve(target))
-    assert src.layouts.keys() == tgt.layouts.keys()
-    for role, units in tgt.layouts.items():
-        if units == "tensor":
-            assert torch.equal(tgt.tensor(role), src.tensor(role)), role
-            continue
-        if not isinstance(units, list):
-            continue
-        for i, unit in enumerate(units):
-            if unit is None:
-                continue
-            a, b = src.unit(role, i), tgt.unit(role, i)
-            if not b.dim() or not b.is_floating_point():  # step counts: one per parameter, no layout
-                assert torch.equal(a, b), (role, i)
-                continue
-            kind = "frozen" if role == "frozen" else "trainable"
-            segs = [s.manifest["model"]["units"][i][kind] for s in (src, tgt)]
-            differ += entry_offsets(segs[0]) != entry_offsets(segs[1])
-            for (name, shape), x, y in zip(segs[0]["entries"], entry_offsets(segs[0]), entry_offsets(segs[1])):
-                n = torch.Size(shape).numel()
-                assert torch.equal(a[x : x + n], b[y : y + n]), (role, name)
-    return differ
 
 
 TORCH = {"recipe": torch_recipe, "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.05)]}

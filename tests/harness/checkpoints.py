@@ -1,12 +1,14 @@
 """Training that saves a checkpoint, and training that loads one and goes on, run on each rank; the
 checkpoint tests, the GPU check and the unused-parameter tests compare them with plain PyTorch trained
 without a break. ``how``: a ``compositions.COMPOSITIONS`` entry (its stage; NVMe offload gets its swap
-folder next to the checkpoint). ``assert_same_numbers``: two checkpoints hold the same values."""
+folder next to the checkpoint). ``assert_same_numbers``: two checkpoints hold the same values;
+``assert_same_entries``: the same numbers parameter by parameter, where their flat layouts differ."""
 import os
 
 import torch
 
 import zfunc as zf
+from zfunc.checkpoint.hf_export import entry_offsets
 from cases import _setup, compose
 from models import batch, local
 
@@ -63,3 +65,33 @@ def assert_same_numbers(source: str, target: str) -> None:
             got = tgt.unit(role, i)
             assert got.dtype == (torch.bfloat16 if role == "params" and "master" in tgt.layouts else expected.dtype)
             assert torch.equal(got, expected.to(got.dtype)), (role, i)
+
+
+def assert_same_entries(source: str, target: str) -> int:
+    """Every part of the two checkpoints holds the same numbers, parameter by parameter: the units'
+    flat layouts differ where an owner layout's gaps depend on the world size. Returns how many
+    units' layouts differ."""
+    differ = 0
+    src = zf.checkpoint.Saved(zf.checkpoint.resolve(source))
+    tgt = zf.checkpoint.Saved(zf.checkpoint.resolve(target))
+    assert src.layouts.keys() == tgt.layouts.keys()
+    for role, units in tgt.layouts.items():
+        if units == "tensor":
+            assert torch.equal(tgt.tensor(role), src.tensor(role)), role
+            continue
+        if not isinstance(units, list):
+            continue
+        for i, unit in enumerate(units):
+            if unit is None:
+                continue
+            a, b = src.unit(role, i), tgt.unit(role, i)
+            if not b.dim() or not b.is_floating_point():  # step counts: one per parameter, no layout
+                assert torch.equal(a, b), (role, i)
+                continue
+            kind = "frozen" if role == "frozen" else "trainable"
+            segs = [s.manifest["model"]["units"][i][kind] for s in (src, tgt)]
+            differ += entry_offsets(segs[0]) != entry_offsets(segs[1])
+            for (name, shape), x, y in zip(segs[0]["entries"], entry_offsets(segs[0]), entry_offsets(segs[1])):
+                n = torch.Size(shape).numel()
+                assert torch.equal(a[x : x + n], b[y : y + n]), (role, name)
+    return differ

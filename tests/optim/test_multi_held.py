@@ -11,6 +11,7 @@ import torch
 
 import zfunc as zf
 from assertions import assert_close_to
+from checkpoints import assert_same_entries
 from models import batch, build, local, loss
 from optim_reference import ADAMW, recipe_label, torch_recipe, train_torch, zfunc_recipe
 from workers import workers
@@ -112,11 +113,6 @@ def test_held_state_checkpoint_moves_from_nvme_at_w2_to_cpu_offload_at_w3(tmp_pa
     """The recipe saved from zero3(offload_nvme(f)) at W = 2 loads into zero2(offload_cpu(f)) at W = 3
     holding the same numbers, parameter by parameter (the moments and the momentum written laid out
     like the parameters, compacted on load), and training goes on equal to torch without a break."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "checkpoint"))
-    from test_whole_checkpoints import assert_same_entries
-
     directory = str(tmp_path)
     workers(2).run(save_after, 3, "nvme", directory)
     expected = train_torch("gpt", torch_recipe, BEFORE + AFTER, GLOBAL, dtype=torch.float64)
@@ -128,11 +124,6 @@ def test_held_state_checkpoint_moves_from_nvme_at_w2_to_cpu_offload_at_w3(tmp_pa
 def test_held_state_checkpoint_moves_from_flat_w2_to_a_2x2_mesh(tmp_path):
     """Saved flat at W = 2 (zero3), loaded into zero1 over a 2 x 2 mesh (two replicas of a 2-way shard
     group): the same numbers, and training goes on equal to torch."""
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "checkpoint"))
-    from test_whole_checkpoints import assert_same_entries
-
     directory = str(tmp_path)
     workers(2).run(save_after, 3, None, directory)
     expected = train_torch("gpt", torch_recipe, BEFORE + AFTER, GLOBAL, dtype=torch.float64)
