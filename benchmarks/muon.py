@@ -123,22 +123,28 @@ def ns_timed(seconds: list):
     muon_module.newton_schulz = newton_schulz
 
 
-def ds_worker(args, peer: str, out: str) -> None:
-    """DeepSpeed's ZeRO-3 on the CPU over gloo: AdamW, or its Muon with the auxiliary AdamW."""
-    import deepspeed
-
+def begin_worker(args, peer: str, init_group) -> tuple:
+    """What every worker does first: one thread, the process group (``init_group()``), rank 0's output
+    only, the RSS peak reset, the GPT built with seed 0; returns it and its result row begun."""
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    if rank:
+    init_group()
+    if dist.get_rank():
         sys.stdout = open(os.devnull, "w")
     memory.reset_peak()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
                     n_heads=args.heads, tie_embeddings=False)
     model = GPT(cfg)
-    result = {"peer": peer, "params": num_params(model),
-              "muon_params": sum(p.numel() for n, p in model.named_parameters() if hidden(n))}
+    return model, {"peer": peer, "params": num_params(model),
+                   "muon_params": sum(p.numel() for n, p in model.named_parameters() if hidden(n))}
+
+
+def ds_worker(args, peer: str, out: str) -> None:
+    """DeepSpeed's ZeRO-3 on the CPU over gloo: AdamW, or its Muon with the auxiliary AdamW."""
+    import deepspeed
+
+    model, result = begin_worker(args, peer, lambda: deepspeed.init_distributed(dist_backend="gloo"))
+    rank = dist.get_rank()
     if peer == "ds-muon":
         for n, p in model.named_parameters():
             p.use_muon = hidden(n)
@@ -191,18 +197,8 @@ def worker(args) -> None:
     peer, out = args.worker.split(",")
     if peer.startswith("ds-"):
         return ds_worker(args, peer, out)
-    torch.set_num_threads(1)
-    zf.dist.init("gloo")
+    model, result = begin_worker(args, peer, lambda: zf.dist.init("gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank:
-        sys.stdout = open(os.devnull, "w")
-    memory.reset_peak()
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width, n_layers=args.layers,
-                    n_heads=args.heads, tie_embeddings=False)
-    model = GPT(cfg)
-    result = {"peer": peer, "params": num_params(model),
-              "muon_params": sum(p.numel() for n, p in model.named_parameters() if hidden(n))}
 
     def loss_fn(params, b):
         logits = zf.apply(model, params, b[0])
