@@ -68,8 +68,11 @@ def main():
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {result.global_step} steps")
+        # the Trainer's ZeRO-3 config is still live, so from_pretrained loads under zero.Init as DeepSpeed's
+        # does: each parameter partitioned, its size in ds_numel
         again = transformers.AutoModelForCausalLM.from_pretrained(a.out)
-        print(f"saved and read back: {sum(p.numel() for p in again.parameters())} parameters from {a.out}")
+        count = sum(getattr(p, "ds_numel", p.numel()) for p in again.parameters())
+        print(f"saved and read back: {count} parameters from {a.out}")
 
 
 if __name__ == "__main__":
