@@ -1,8 +1,8 @@
 """Tiny Hugging Face models built from configs (no download), for every test that trains, saves or
 reads one. One config function per family at the suite's small size (``overrides`` for the tests that
 need another vocabulary, width, depth or length), ``build(kind)`` for the families the pretrained-weights
-tests write and read back, the token batches they train on, their learning rate, and a rewriter of a
-saved checkpoint's tensors (to damage or rename them)."""
+tests write and read back, the token batches they train on, their learning rate, a sharded run of
+them (``train_on_rank``), and a rewriter of a saved checkpoint's tensors (to damage or rename them)."""
 import os
 
 import safetensors.torch as safetensors
@@ -59,6 +59,22 @@ def build(kind: str, device: str = "cpu", seed: int = 0) -> nn.Module:
 
 def tokens(size: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 50, (size, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def train_on_rank(model: nn.Module, loss_fn, steps: int, per_rank: int) -> dict:
+    """``zero3(offload_cpu(recompute(train_step(loss_fn, adamw))))`` trained ``steps`` steps on this
+    rank's ``per_rank`` rows of each step's ``tokens``: the gathered parameters and the losses."""
+    import zfunc as zf
+
+    rank, world = zf.dist.rank(), zf.dist.world_size()
+    step = zf.zero3(zf.offload_cpu(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(LR)))))
+    state = step.init(model)
+    losses = []
+    for i in range(steps):
+        x = tokens(per_rank * world, seed=i)[rank * per_rank : (rank + 1) * per_rank]
+        state, metrics = step(state, x)
+        losses.append(metrics["loss"].item())
+    return {"params": zf.gather_params(state), "losses": losses}
 
 
 def rewrite_checkpoint(src: str, dst, change) -> str:

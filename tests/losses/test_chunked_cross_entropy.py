@@ -382,7 +382,6 @@ def hf_llama_run(steps: int = 3, per_rank: int = 2) -> dict:
     transformers shifts them."""
     import hf
 
-    rank, world = zf.dist.rank(), zf.dist.world_size()
     model = hf.build("llama")
 
     def loss_fn(params, x):
@@ -390,20 +389,12 @@ def hf_llama_run(steps: int = 3, per_rank: int = 2) -> dict:
         return zf.chunked_cross_entropy(out.hidden_states[-1][:, :-1], params["lm_head.weight"], x[:, 1:],
                                         chunk_size=5)
 
-    step = zf.zero3(zf.offload_cpu(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(hf.LR)))))
-    state = step.init(model)
-    losses = []
-    for i in range(steps):
-        x = hf.tokens(per_rank * world, seed=i)[rank * per_rank : (rank + 1) * per_rank]
-        state, metrics = step(state, x)
-        losses.append(metrics["loss"].item())
-    return {"params": zf.gather_params(state), "losses": losses}
+    return hf.train_on_rank(model, loss_fn, steps, per_rank)
 
 
 def test_a_transformers_llama_trains_as_with_its_own_loss():
     """W = 2: the recipe of docs/architecture.md equals plain transformers' ``model(input_ids=x,
     labels=x).loss`` on the global batch (relative 1e-5)."""
-    pytest.importorskip("transformers")
     import hf
 
     ref = hf.build("llama")

@@ -271,7 +271,6 @@ def hf_run(kind: str, hf_checkpointing: bool, steps: int = 3, per_rank: int = 2)
     (``hf_checkpointing``: with transformers' own non-reentrant checkpointing around each layer too)."""
     import hf
 
-    rank, world = zf.dist.rank(), zf.dist.world_size()
     model = hf.build(kind)
     if hf_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -280,14 +279,7 @@ def hf_run(kind: str, hf_checkpointing: bool, steps: int = 3, per_rank: int = 2)
     def loss_fn(params, x):
         return zf.apply(model, params, input_ids=x, labels=x).loss
 
-    step = zf.zero3(zf.offload_cpu(zf.recompute(zf.train_step(loss_fn, zf.optim.adamw(hf.LR)))))
-    state = step.init(model)
-    losses = []
-    for i in range(steps):
-        x = hf.tokens(per_rank * world, seed=i)[rank * per_rank : (rank + 1) * per_rank]
-        state, metrics = step(state, x)
-        losses.append(metrics["loss"].item())
-    return {"params": zf.gather_params(state), "losses": losses, "calls": dict(calls)}
+    return hf.train_on_rank(model, loss_fn, steps, per_rank) | {"calls": dict(calls)}
 
 
 def _hf_reference(kind: str, batch_size: int, hf_checkpointing: bool, steps: int = 3) -> dict:
@@ -317,7 +309,6 @@ def test_transformers_models_equal_plain_pytorch(kind, hf_checkpointing):
     W = 2 under zero3 and offload_cpu: plain PyTorch with each decoder layer's forward checkpointed,
     within 1e-5, every layer's modules run again in backward; with transformers' own checkpointing
     on as well, the two nest as they would in plain PyTorch (which runs the layers as often)."""
-    pytest.importorskip("transformers")
     expected = _hf_reference(kind, 4, hf_checkpointing)
     layer = ".layers.0." if kind == "llama" else ".h.0."
     assert max(n for k, n in expected["calls"].items() if layer in k) >= 2 * 3  # the oracle recomputes
