@@ -164,12 +164,24 @@ def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: in
             if any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)):
                 seeded_init(m)
     model.to(device)
+    losses = train_plain(name, model, steps, batch_size, seed, clip, skips=skips, device=device)
+    x, y = batch(name, model, steps, batch_size, seed, device)
+    with torch.no_grad():
+        eval_loss = loss(name, model(x), y).item()
+    return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "losses": losses,
+            "eval_loss": eval_loss, "buffers": {k: v.cpu() for k, v in model.named_buffers()}}
+
+
+def train_plain(name: str, model, steps: int, batch_size: int, seed: int, clip: float | None = None, skips=None,
+                device: str = "cpu", shape_model=None) -> list[float]:
+    """``steps`` steps of torch.optim.AdamW (its defaults, weight decay 0.01) on ``model`` over the
+    global batches (shaped by ``shape_model``, default ``model``), clipped at ``clip``; the losses."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     losses = []
     for i in range(steps):
         if skips is not None:
             model.skip = skips[i]
-        x, y = batch(name, model, i, batch_size, seed, device)
+        x, y = batch(name, shape_model or model, i, batch_size, seed, device)
         opt.zero_grad()
         value = loss(name, model(x), y)
         value.backward()
@@ -177,11 +189,7 @@ def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 2, seed: in
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(value.item())
-    x, y = batch(name, model, steps, batch_size, seed, device)
-    with torch.no_grad():
-        eval_loss = loss(name, model(x), y).item()
-    return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()}, "losses": losses,
-            "eval_loss": eval_loss, "buffers": {k: v.cpu() for k, v in model.named_buffers()}}
+    return losses
 
 
 def run_ddp(name: str, kw: dict, steps: int = 3, per_rank: int = 2, seed: int = 0) -> dict:

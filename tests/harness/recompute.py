@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zfunc as zf
-from cases import LR, compose, micro_batches
+from cases import LR, compose, micro_batches, train_plain
 from compositions import COMPOSITIONS
 from models import batch, build, local, loss
 
@@ -51,17 +51,7 @@ def reference(name: str, kw: dict, steps: int = 3, batch_size: int = 4, seed: in
     model = checkpoint_units(build(name, seed, **kw))
     shape_model = build(name, seed, **kw)
     calls = count_calls(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
-    losses = []
-    for i in range(steps):
-        x, y = batch(name, shape_model, i, batch_size, seed)
-        opt.zero_grad()
-        value = loss(name, model(x), y)
-        value.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(value.item())
+    losses = train_plain(name, model, steps, batch_size, seed, clip, shape_model=shape_model)
     return {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": losses,
             "calls": calls}
 
