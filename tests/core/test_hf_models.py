@@ -8,6 +8,7 @@ import torch
 
 import zfunc as zf
 from assertions import assert_close_to
+from fp32_masters import master_step
 from workers import workers
 
 transformers = pytest.importorskip("transformers")  # the [test] extra installs it
@@ -149,12 +150,7 @@ def reference_bf16(kind: str, batch_size: int) -> tuple[dict, dict]:
         x = tokens(i, batch_size)
         low.zero_grad(set_to_none=True)
         low(input_ids=x, labels=x).loss.backward()
-        for mp, lp in zip(master.parameters(), low.parameters()):
-            mp.grad = lp.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for mp, lp in zip(master.parameters(), low.parameters()):
-                lp.copy_(mp)
+        master_step(master, low, opt)
     return {k: v.detach().clone() for k, v in master.named_parameters()}, init
 
 

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zfunc as zf
 from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
+from fp32_masters import master_step
 from models import local
 from workers import workers
 
@@ -342,12 +343,7 @@ def _bf16_reference(head: str, steps: int) -> dict:
         idx, y = _tokens(i, 1)
         low.zero_grad(set_to_none=True)
         F.cross_entropy((low(idx) @ low.head_weight().T).float().flatten(0, 1), y.flatten()).backward()
-        for mp, lp in zip(master.parameters(), low.parameters()):
-            mp.grad = lp.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for mp, lp in zip(master.parameters(), low.parameters()):
-                lp.copy_(mp)
+        master_step(master, low, opt)
     return {"params": {k: v.detach().clone() for k, v in master.named_parameters()}, "init": init}
 
 

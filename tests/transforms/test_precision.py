@@ -22,6 +22,7 @@ import torch
 from assertions import UNIT_ROUNDOFF, assert_close_to, assert_within_roundoff
 from cases import reference, reference_mixed, run_composed
 from compositions import FP16_SCALE
+from fp32_masters import master_step
 from models import DEEP_MLP as MLP, build
 from workers import workers
 
@@ -175,12 +176,7 @@ def hf_reference_bf16(kind: str, steps: int, batch_size: int) -> tuple[dict, lis
         low.zero_grad(set_to_none=True)
         value = low(input_ids=x, labels=x).loss
         value.backward()
-        for mp, lp in zip(master.parameters(), low.parameters()):
-            mp.grad = lp.grad.float()
-        opt.step()
-        with torch.no_grad():
-            for mp, lp in zip(master.parameters(), low.parameters()):
-                lp.copy_(mp)
+        master_step(master, low, opt)
         losses.append(value.item())
     return {k: v.detach().clone() for k, v in master.named_parameters()}, losses, dict(low.named_buffers())
 
