@@ -15,9 +15,11 @@ re-exports: ``counting``, ``label_group``, ``comm_mark``/``comm_since``: ``metri
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import datetime
+import gc
 import hashlib
 import os
 import time
@@ -305,11 +307,32 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+_settle_registered = []
+
+
+def _settle_before_exit() -> None:
+    """Free what zfunc holds, then let gloo's worker threads finish, before the interpreter's teardown.
+
+    A gloo worker drops its reference to a finished collective just after the caller's wait returns;
+    when that reference is the tensors' last but their Python object's, the drop takes the GIL. Once
+    the interpreter is finalizing, a thread taking the GIL exits through a noexcept destructor and
+    the process aborts ("terminate called without an active exception", seen in core dumps as
+    ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``; PyTorch's own
+    issue, not fixed there). The collection frees the engines' reference cycles (their state and
+    groups) while the interpreter is whole; the pause hands the GIL to a worker waiting for it."""
+    gc.collect()
+    if is_initialized():
+        time.sleep(0.05)
+
+
 def check_launch() -> None:
     """Raise if the environment says W > 1 (torchrun) but no process group exists.
 
-    Without this every rank would train alone on its own batches, silently.
+    Without this every rank would train alone on its own batches, silently. A started group gets
+    ``_settle_before_exit`` at exit (atexit runs it before torch's own handlers, registered earlier).
     """
+    if is_initialized() and not _settle_registered:
+        _settle_registered.append(atexit.register(_settle_before_exit))
     env = os.environ.get("WORLD_SIZE", "1")
     if not is_initialized() and env.isdigit() and int(env) > 1:
         raise RuntimeError(

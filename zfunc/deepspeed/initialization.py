@@ -15,9 +15,7 @@ as a torch optimizer of the config's type would hold them.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import gc
 import json
 import os
 
@@ -35,19 +33,6 @@ from .comm import init_distributed
 from .data import DataLoader
 from .engine import DeepSpeedEngine
 from .utils.timer import ThroughputTimer
-
-
-_collect_at_exit = []
-
-
-def _free_engines_at_exit() -> None:
-    """The engines free before the interpreter's teardown. An engine lives in reference cycles (the
-    model, its stand-ins, the step's coordinator), holding its state's tensors and its process
-    group; left to the interpreter's last teardown it is freed after torch's own objects, and a W = 2
-    process that left its group open was seen to abort there ("terminate called without an active
-    exception", about one run in four of DeepSpeedExamples' CIFAR script at ZeRO-1; never with a
-    collection first, nor under DeepSpeed, whose engine is freed in order)."""
-    gc.collect()
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None, training_data=None,
@@ -68,8 +53,6 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     dist.check_launch()
     raw = _config(args, config, config_params)
-    if not _collect_at_exit:  # atexit runs it before torch's teardown (handlers run last registered first)
-        _collect_at_exit.append(atexit.register(_free_engines_at_exit))
     if args is not None and hasattr(args, "local_rank"):  # DeepSpeed's engine sets it from the launcher's LOCAL_RANK
         args.local_rank = int(os.environ.get("LOCAL_RANK", dist.rank()))
     if isinstance(model, nn.Module):
