@@ -176,6 +176,9 @@ def test_save_16bit_model_writes_the_state_dict_as_deepspeed(stage, bf16, gather
 
 
 def test_checkpoints_keep_client_state_and_latest(tmp_path):
+    """``client_state`` comes back from ``load_checkpoint``: plain data, and what JSON cannot hold
+    (Lightning's callback states: tensors) pickled beside the manifest; what cannot be pickled is
+    refused before anything is written."""
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}}
     torch.manual_seed(0)
@@ -186,8 +189,11 @@ def test_checkpoints_keep_client_state_and_latest(tmp_path):
     assert scheduler.state_dict() == {"last_batch_iteration": 1}
     folder = engine.save_checkpoint(str(tmp_path), client_state={"epoch": 4, "best": [0.5]})
     assert os.path.basename(folder) == "global_step2" and (tmp_path / "latest").read_text() == "global_step2"
-    with pytest.raises(TypeError, match="client_state must be JSON-serializable"):
-        engine.save_checkpoint(str(tmp_path), tag="bad", client_state={"t": torch.ones(1)})
+    with pytest.raises(TypeError, match="client_state could not be saved"):
+        engine.save_checkpoint(str(tmp_path), tag="bad", client_state={"f": lambda: 0})
+    assert sorted(os.listdir(tmp_path)) == ["global_step2", "latest"]  # the refused save wrote nothing
+    pickled = {"callbacks": {"ModelCheckpoint": {"best_model_score": torch.tensor(0.25)}}, "epoch": 4}
+    other = engine.save_checkpoint(str(tmp_path / "pickled"), client_state=pickled)
     fresh, fresh_opt, _, fresh_sched = zds.initialize(model=Net(), config=config)
     torch.manual_seed(5)
     expected = torch.rand(3)
@@ -195,6 +201,9 @@ def test_checkpoints_keep_client_state_and_latest(tmp_path):
     path, client_state = fresh.load_checkpoint(str(tmp_path))
     assert torch.equal(torch.rand(3), expected)  # DeepSpeed's load leaves the RNG alone (zfunc's restores it)
     assert (path, client_state) == (folder, {"epoch": 4, "best": [0.5]})
+    path, client_state = fresh.load_checkpoint(str(tmp_path / "pickled"))  # what JSON cannot hold: pickled beside
+    assert path == other and client_state["epoch"] == 4
+    assert torch.equal(client_state["callbacks"]["ModelCheckpoint"]["best_model_score"], torch.tensor(0.25))
     assert fresh.global_steps == 2 and fresh_sched.state_dict() == scheduler.state_dict()
     assert fresh_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     for name, p in engine.params().items():

@@ -27,12 +27,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LR, WEIGHT_DECAY, BATCH = 2e-3, 0.01, 2
 
 
-def _model(folder: str, seen: dict):
-    """The saved tiny Llama in fp32, its training losses recorded by a forward hook."""
+def _model(folder: str, seen: dict, weights: bool = True):
+    """The saved tiny Llama in fp32 (``weights=False``: built from its config, seed 0, as a module's
+    ``configure_model`` builds it under ZeRO-3's ``zero.Init``, where ``from_pretrained`` fails under
+    DeepSpeed too), its training losses recorded by a forward hook."""
     import torch
     import transformers
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if weights:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    else:
+        config = transformers.AutoConfig.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
     def record(module, args, kwargs, output):
         if torch.is_grad_enabled() and getattr(output, "loss", None) is not None:
@@ -198,7 +204,10 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
     ``gradient_clip_val``. On the CPU through ``cpu_as_cuda()``; ``cpu_accelerator``: Lightning's own
     ``"cpu"`` accelerator (which its DeepSpeed strategy refuses); ``resume_at``: a first Trainer fits
     that many steps and ``save_checkpoint``s, a new one fits on with ``ckpt_path=`` (``resumed_from``:
-    how many losses the first recorded)."""
+    how many losses the first recorded); ``callback``: that checkpoint written by Lightning's
+    ``ModelCheckpoint`` callback every ``resume_at`` steps instead (``checkpoints``: the files it wrote);
+    ``configure_model``: the model built from its config in the module's ``configure_model`` hook, which
+    Lightning runs inside the strategy's ``zero.Init`` at ZeRO-3, not in ``__init__``."""
     import lightning.pytorch as pl
     import torch
     import transformers
@@ -211,6 +220,10 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
             super().__init__()
             self.model = model
 
+        def configure_model(self):
+            if self.model is None:  # Lightning calls it again on a resume: build once
+                self.model = _model(case["model"], seen, weights=False)
+
         def training_step(self, batch, index):
             return self.model(**batch).loss
 
@@ -221,22 +234,32 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
 
     def fit(max_steps, ckpt_path=None):
         pl.seed_everything(0)
-        module = Lit(_model(case["model"], seen))
+        module = Lit(None if case.get("configure_model") else _model(case["model"], seen))
         loader = torch.utils.data.DataLoader(hf_trainer.Tokens(), batch_size=BATCH, shuffle=True,
                                              generator=torch.Generator().manual_seed(2))
+        callbacks = []
+        if case.get("callback") and ckpt_path is None:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+            callbacks = [ModelCheckpoint(dirpath=os.path.join(out, "checkpoints"), every_n_train_steps=resume_at,
+                                         save_top_k=-1)]
         accelerator = "gpu" if torch.cuda.is_available() else "cpu" if case.get("cpu_accelerator") else cpu_as_cuda()
         trainer = pl.Trainer(accelerator=accelerator, devices=world, num_nodes=1,
                              strategy=DeepSpeedStrategy(config=copy.deepcopy(case["config"])), precision="32-true",
                              max_steps=max_steps, accumulate_grad_batches=case.get("gas", 1), gradient_clip_val=1.0,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False, default_root_dir=out)
+                             logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
         trainer.fit(module, loader, ckpt_path=ckpt_path)
         return trainer
 
     resume_at = case.get("resume_at")  # a first job's checkpoint after that many steps, resumed by a new job
     if resume_at:
         path = os.path.join(out, "lightning.ckpt")
-        fit(resume_at).save_checkpoint(path)
+        first = fit(resume_at)
+        if case.get("callback"):
+            path = first.checkpoint_callback.best_model_path
+            seen["checkpoints"] = sorted(os.listdir(os.path.dirname(path)))
+        else:
+            first.save_checkpoint(path)
         seen["resumed_from"] = len(seen["losses"])
         trainer = fit(steps, ckpt_path=path)
     else:

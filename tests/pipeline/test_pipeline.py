@@ -232,20 +232,22 @@ def test_pipeline_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
 def save_then_go_on_as(stages: int, micro: int, directory: str, phase: str) -> dict:
     """``save_then_go_on`` with a pipeline of ``stages`` stages (all ranks one replica each)."""
     engine = zf.initialize(pipe(stages), config(micro))
+    client = {}
     if phase == "load":
-        engine.load_checkpoint(directory)
+        _, client = engine.load_checkpoint(directory)
     start = engine.global_steps
     for i in range(start, start + (2 if phase == "save" else 1)):
         engine.train_batch(iter([micro_batch(i, m, engine.grid.replica) for m in range(micro)]))
-    if phase == "save":
-        engine.save_checkpoint(directory)
-    return {"stage": engine.grid.stage, "params": engine.params(), "steps": engine.global_steps}
+    if phase == "save":  # a client state JSON cannot hold: pickled beside the manifest
+        engine.save_checkpoint(directory, client_state={"best": torch.tensor([0.5]), "epoch": 1})
+    return {"stage": engine.grid.stage, "params": engine.params(), "steps": engine.global_steps, "client": client}
 
 
 @pytest.mark.parametrize("stages", [1, 3])
 def test_pipeline_checkpoint_loads_at_another_pipeline_shape(stages, tmp_path):
     """Saved as 2 stages, resumed as 1 or 3 (other cuts): each layer's state comes from the stage that
-    saved it, the tied embedding from its first; training goes on as the unpipelined model."""
+    saved it, the tied embedding from its first; training goes on as the unpipelined model; every
+    stage gets the client state back."""
     directory = str(tmp_path / "ckpt")
     workers(2).run(save_then_go_on_as, 2, 2, directory, "save")
     resumed = workers(stages).run(save_then_go_on_as, stages, 2, directory, "load")
@@ -258,6 +260,7 @@ def test_pipeline_checkpoint_loads_at_another_pipeline_shape(stages, tmp_path):
     p = pipe(stages)
     for r in resumed:
         assert r["steps"] == 3
+        assert r["client"]["epoch"] == 1 and torch.equal(r["client"]["best"], torch.tensor([0.5]))
         expected = _stage_params(model, p, r["stage"])
         assert_close_to(dict(sorted(r["params"].items())), {k: v.detach() for k, v in sorted(expected.items())})
 

@@ -63,10 +63,10 @@ def free_space_error(folder: str, need: int, what: str) -> OSError | None:
                        "are free; nothing was written, what the folder held is intact")
 
 
-def write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str | bytes) -> None:
     """Write ``path`` atomically and durably: a temporary file, fsync, rename, fsync the folder."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -56,7 +56,7 @@ import torch
 from . import folders
 from .. import dist, layout, swap
 from .files import (DamagedCheckpointError, RankFile, Writer, damaged, dtype_of, free_space_error, read_json,
-    write_json)
+    write_json, write_text)
 from .hf_export import entry_offsets, export_saved
 from ..optim.counts import is_count
 from ..pytree import NAMESPACE, tree_unflatten
@@ -270,11 +270,13 @@ def _writers(state, group) -> tuple[bool, int, int]:
     return dist.rank(dist.group_of(key)) == 0, dist.rank(shard), dist.world_size(shard)
 
 
-def save(state, directory: str, tag: str, *, extra: dict | None = None, group=None) -> str:
+def save(state, directory: str, tag: str, *, extra: dict | None = None, group=None,
+         files: dict[str, bytes] | None = None) -> str:
     """Write ``state`` as checkpoint ``tag`` in ``directory`` (every rank calls it); return its folder
     (``directory/tag``, or ``directory/tag.rN`` while an older save of the same tag is replaced).
 
-    ``extra``: plain data for the manifest (the engine's counters, its config).
+    ``extra``: plain data for the manifest (the engine's counters, its config); ``files``: more files
+    for the folder, name to bytes, written with the manifest (a caller's ``client_state``).
     """
     writes, r, w = _writers(state, group)  # r: this rank's file; w: the files
     lead = writes and r == 0  # writes the manifest
@@ -298,6 +300,8 @@ def save(state, directory: str, tag: str, *, extra: dict | None = None, group=No
                     "composition": None if state.plan is None else state.plan.composition,
                     "count": int(state.count), "model": model_layout(spec), "layouts": layouts,
                     "transient_buffers": list(spec.transient_buffers), **(extra or {})}
+        for name, data in (files or {}).items():
+            write_text(os.path.join(staging, name), data)
         write_json(os.path.join(staging, folders.MANIFEST), manifest)
         folders.publish(directory, tag, final)
     dist.barrier(group)

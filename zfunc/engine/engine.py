@@ -22,7 +22,6 @@ compiled code; under ``compile.deepcompile`` the step is ``zf.jit``'s, traced wh
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint, compiled, dist
+from ..checkpoint import client_state as client_state_file
 from ..checkpoint.files import read_json
 from ..checkpoint.folders import MANIFEST
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
@@ -394,8 +394,8 @@ class Engine(Loop):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """The whole training state under ``save_dir/tag`` (default ``global_step{N}``, as DeepSpeed
         names it) and ``save_dir/latest`` naming it; every rank calls it; returns the checkpoint's
-        folder (zfunc.checkpoint). ``client_state``: a JSON-serializable dict ``load_checkpoint``
-        returns. ``exclude_frozen_parameters=True`` (every peft save of transformers' Trainer): the
+        folder (zfunc.checkpoint). ``client_state``: a dict ``load_checkpoint`` returns (plain data
+        in the manifest, anything else torch can pickle beside it: zfunc.checkpoint.client_state). ``exclude_frozen_parameters=True`` (every peft save of transformers' Trainer): the
         checkpoint is marked so, and its load keeps the frozen parameters the loading model holds,
         as DeepSpeed's (the files still hold them: zfunc's checkpoint format writes every unit).
         DeepSpeed's ``save_latest=False`` raises."""
@@ -405,15 +405,15 @@ class Engine(Loop):
             raise NotImplementedError("save_checkpoint(save_latest=False) is not supported yet: a zfunc checkpoint "
                                       "always updates save_dir/latest when it is complete")
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        client_state = _json_client_state(client_state)
+        client, files = client_state_file.pack(client_state)
         extra = {"engine": self._counters(),
                  "scheduler": {"last_step": int(self.state.count)},
                  "config": self.config.raw, "state_dict_keys": self.state_dict_keys,
-                 "client_state": client_state, "frozen_excluded": bool(exclude_frozen_parameters)}
+                 **client, "frozen_excluded": bool(exclude_frozen_parameters)}
         lrs = getattr(self.optimizer, "live_lrs", lambda: None)()
         if lrs is not None:
             extra["live_lrs"] = lrs
-        return checkpoint.save(self.state, save_dir, tag, extra=extra, group=self.group)
+        return checkpoint.save(self.state, save_dir, tag, extra=extra, group=self.group, files=files)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -462,7 +462,7 @@ class Engine(Loop):
             restore = getattr(self.optimizer, "restore_live_lrs", None)
             if restore is not None and load_lr_scheduler_states:
                 restore(manifest.get("live_lrs"))
-        return folder, manifest.get("client_state", {})
+        return folder, client_state_file.unpack(folder, manifest)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -527,20 +527,6 @@ def _put_back(state, kept: dict[str, list[torch.Tensor]]) -> None:
                 for leaf, value in zip(leaves, kept[role]):
                     if leaf is not None:
                         leaf.copy_(value)
-
-
-def _json_client_state(client_state) -> dict:
-    """``client_state`` as the manifest keeps it (JSON): a clear error for what JSON cannot hold."""
-    if client_state is None:
-        return {}
-    if not isinstance(client_state, dict):
-        raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
-    try:
-        json.dumps(client_state)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"client_state must be JSON-serializable here (zfunc keeps it in the checkpoint's "
-                        f"manifest): {e}; convert tensors with .tolist() or .item()") from None
-    return client_state
 
 
 def _args(kw: dict) -> str:

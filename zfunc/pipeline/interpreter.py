@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 
 from .. import checkpoint, dist, lazy
+from ..checkpoint import client_state as client_state_file
 from ..agreement import Agreement, agreed_live, grad_stats, live_flags, summed
 from . import schedules as S
 from ..engine.compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
@@ -319,10 +320,10 @@ class PipelineEngine(Loop):
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         extra = {"engine": self._counters(),
                  "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts, "layers": len(self.pipe.layers)},
-                 "config": self.config.raw,
-                 "client_state": client_state or {}}
-        folder = checkpoint.save(self.state, os.path.join(save_dir, f"stage{self.grid.stage}"), tag, extra=extra,
-                                 group=self.grid.data_group)
+                 "config": self.config.raw}
+        client, files = client_state_file.pack(client_state)
+        folder = checkpoint.save(self.state, os.path.join(save_dir, f"stage{self.grid.stage}"), tag,
+                                 extra={**extra, **client}, group=self.grid.data_group, files=files)
         dist.barrier()
         return folder
 
@@ -339,7 +340,7 @@ class PipelineEngine(Loop):
             self.state, manifest = checkpoint.load(self.state, folder, tag, group=self.grid.data_group,
                                                    sources=self._reshaped(load_dir, tag, saved, first))
         self._restore_counters(manifest)
-        return folder, manifest.get("client_state", {})
+        return folder, client_state_file.unpack(first.folder, first.manifest)  # every stage saved the same
 
     def _reshaped(self, load_dir: str, tag, saved: dict, first):
         """``checkpoint.load``'s sources for a checkpoint cut into other stages."""
