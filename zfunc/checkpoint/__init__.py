@@ -1,5 +1,5 @@
 """Checkpoints: sharded save and load at any world size (``sharded``), their files and atomic
-folders (``files``, ``folders``), consolidation and Hugging Face export (``hf_export``,
+folders (``files``, ``folders``), the caller's ``client_state`` kept with them (``client_state``), consolidation and Hugging Face export (``hf_export``,
 ``hf_files``; a peft model's adapters or merged model: ``peft_export``), the weights streamed out
 unit by unit for an inference engine (``stream``), and the command line
 (``python -m zfunc.checkpoint``, ``cli``).
