@@ -348,6 +348,19 @@ def test_trl_sft_trainer_zero3(tmp_path, model_folder, world):
     _same(ours, theirs, keys=("losses", "grad_norm", "learning_rate", "mean_token_accuracy"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trl_dpo_trainer_with_a_reference_model(tmp_path, model_folder, stage):
+    """TRL's DPOTrainer, W = 2: the policy trained by the engine, the reference model made by TRL's
+    ``prepare_deepspeed`` (``deepspeed.initialize`` with no optimizer; ZeRO-3 sharded, else stage 0;
+    its bucket sizes as top-level paths). Losses, gradient norms, rewards and log-probabilities of
+    chosen and rejected answers equal DeepSpeed's."""
+    case = {"model": model_folder, "config": hf_trainer.ds_config(stage), "steps": 4}
+    ours, theirs = _both(tmp_path, "trl_dpo", 2, case)
+    _same(ours, theirs, keys=("loss", "grad_norm", "rewards_chosen", "rewards_rejected", "logps_chosen",
+                              "logps_rejected"))
+
+
 def _accelerate_launch(folder, stage: int, zfunc: bool) -> list[dict]:
     """``accelerate launch --config_file`` (``distributed_type: DEEPSPEED`` with a
     ``deepspeed_config_file``, two processes on the CPU) of tests/harness/ds_accelerate_script.py,

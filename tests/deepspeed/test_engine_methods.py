@@ -109,6 +109,37 @@ def test_train_and_eval_set_the_models_mode():
     engine.close()
 
 
+def forward_only(stage: int) -> dict:
+    """An engine made with no optimizer (TRL's reference model): its eval forward is the model's."""
+    torch.manual_seed(0)
+    model = Net()
+    plain = copy.deepcopy(model).eval()
+    engine, optimizer, _, scheduler = zds.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+        "zero_optimization.stage3_param_persistence_threshold": 40})  # a path as a key: ignored, as by DeepSpeed
+    engine.eval()
+    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    with torch.no_grad():
+        same = torch.allclose(engine(x), plain(x), rtol=1e-6, atol=1e-6)
+    engine.train()
+    engine.backward(engine(x).sum())
+    try:
+        engine.step()
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return {"same": same, "refused": refused, "scheduler": scheduler}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_engine_without_an_optimizer_runs_forward_only(stage):
+    """``deepspeed.initialize`` with no optimizer in the config or the call, as TRL makes its reference
+    model (W = 2): the eval forward equals the model's, and a step raises, naming the missing optimizer."""
+    for out in workers(2).run(forward_only, stage):
+        assert out["same"] and out["scheduler"] is None, out
+        assert "made without an optimizer" in out["refused"], out
+
+
 class Tied(nn.Module):
     """Tied weights and both kinds of buffer: what a state_dict holds beyond plain parameters."""
 

@@ -306,6 +306,14 @@ def test_a_disabled_feature_section_is_accepted_and_listed(key, value):
     assert zc.parse(cfg(**{key: value}), 1).ignored == (key,)
 
 
+def test_a_path_as_a_top_level_key_is_listed_not_applied():
+    """TRL's ``prepare_deepspeed`` writes ``"zero_optimization.reduce_bucket_size"`` and the like at the
+    top level (one a float); DeepSpeed reads only nested keys, so zfunc acts on none of them either."""
+    keys = {"zero_optimization.stage3_prefetch_bucket_size": 921.6, "zero_optimization.stage": 1}
+    c = zc.parse(cfg(zero_optimization={"stage": 3}, **keys), 1)
+    assert c.zero.stage == 3 and c.ignored == tuple(keys)
+
+
 @pytest.mark.parametrize("zero, key", [
     ({"stage": 3, "zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights"),
     ({"stage": 3, "zero_quantized_gradients": True}, "zero_optimization.zero_quantized_gradients"),

@@ -2,7 +2,7 @@
 ordinary Accelerate training loop with its DeepSpeed plugin, TRL's ``SFTTrainer`` and Lightning's
 ``DeepSpeedStrategy``, each on the tiny Llama of tests/harness/hf_trainer.py.
 
-``python tests/harness/ds_clients.py --client accelerate|trl|lightning --case JSON --out DIR``
+``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|lightning --case JSON --out DIR``
 (under ``torchrun --nproc_per_node W``) writes ``DIR/rank{r}.json``: every micro-batch's training
 loss as the model computed it (a forward hook on the model: the library is not touched), and what
 the client's case reads back (Accelerate: the losses of the steps after a ``load_state``, and
@@ -153,6 +153,34 @@ def trl_sft(case: dict, out: str, seen: dict) -> None:
         seen[key] = [h[key] for h in logs]
 
 
+def trl_dpo(case: dict, out: str, seen: dict) -> None:
+    """TRL's ``DPOTrainer`` with ``DPOConfig(deepspeed=...)``: the policy trained, a second copy of the
+    model as the reference, which TRL gives ``deepspeed.initialize`` without an optimizer (its
+    ``prepare_deepspeed``: ZeRO-3 sharded, else stage 0) and runs in eval; a preference data set of
+    prompts with a chosen and a rejected answer. The Trainer's logged ``loss``, ``grad_norm``,
+    rewards and log-probabilities per step."""
+    import datasets
+    import trl
+
+    model, ref = _model(case["model"], seen), _model(case["model"], {"losses": []})
+    rows = texts(48, 12)
+    data = {"prompt": [" ".join(t.split()[:4]) for t in rows[:16]],
+            "chosen": [" ".join(t.split()[4:]) for t in rows[:16]],
+            "rejected": [" ".join(t.split()[4:]) for t in rows[16:32]]}
+    args = trl.DPOConfig(
+        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 3), learning_rate=LR,
+        warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        max_length=24, dataset_num_proc=None, bf16=False, **hf_trainer.cpu_processes(False))
+    trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer(),
+                             train_dataset=datasets.Dataset.from_dict(data))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        seen[key.replace("/", "_")] = [h[key] for h in logs]
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
@@ -269,7 +297,7 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
 
 # ----------------------------------------------------------------------------- the launch
 
-CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "lightning": lightning_fit}
+CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "trl_dpo": trl_dpo, "lightning": lightning_fit}
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from .. import dist
 from ..engine import RepeatingLoader
 from ..engine.handles import LiveLr, OptimizerHandle, SchedulerHandle
 from ..optim import Optimizer, lr as lr_schedules
+from ..optim.base import EmptyState
 from ..initialization import config_for, engine_for
 from ..pipeline import PipelineModule
 from . import zero
@@ -64,6 +65,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         cfg, model, optimizer, model_parameters, lr_scheduler)
     if zopt is not None and cfg.optimizer is not None:  # DeepSpeed: the script's optimizer over the config's
         cfg = dataclasses.replace(cfg, optimizer=None)
+    if zopt is None and cfg.optimizer is None and schedule is None:
+        zopt = _forward_only()
     engine = engine_for(model, cfg, engine_class=DeepSpeedEngine, optimizer=zopt, lr_scheduler=schedule)
     engine.group_schedules = group_schedules
     if groups is not None:
@@ -79,6 +82,17 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     engine.training_dataloader = loader
     engine.tput_timer = ThroughputTimer(engine)  # DeepSpeed's engine attribute (zfunc.deepspeed.utils.timer)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _forward_only() -> Optimizer:
+    """The optimizer of an engine made without one (none in the config nor the call: TRL's reference
+    model, transformers' evaluation-only engine): DeepSpeed makes such an engine for forward passes,
+    and so does zfunc; an update raises, naming why."""
+    def update(*args, **kwargs):
+        raise RuntimeError("this engine was made without an optimizer (deepspeed.initialize with no 'optimizer' in "
+                           "the config and none passed), so it runs forward passes only: give it an optimizer to "
+                           "train it")
+    return Optimizer(lambda params: EmptyState(), update, fuses=True)
 
 
 # ------------------------------------------------------------------------------ the config

@@ -10,6 +10,9 @@
 * keys for features zfunc lacks raise "not supported yet", naming the key (a
   semantic switch left at DeepSpeed's default, or a feature section with
   ``"enabled": false``, is accepted: it changes nothing);
+* a top-level key written as a path (``"zero_optimization.reduce_bucket_size"``, which TRL's
+  ``prepare_deepspeed`` passes) is listed in ``Config.ignored``: DeepSpeed reads only the nested
+  key, so it acts on none of them either;
 * any other key raises, naming its dotted path and the nearest valid key there.
 
 As in DeepSpeed, ``"auto"`` in the ``zero_optimization``, offload, ``fp16`` and
@@ -224,6 +227,7 @@ def parse(config: Mapping[str, Any] | str | os.PathLike, world_size: int) -> Con
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     ignored: list[str] = []
     top = _Section(raw, "", ignored)
+    top.ignore(*[k for k in raw if "." in k])  # a path as a top-level key: DeepSpeed reads none (TRL passes some)
     tbs, mbs, gas = _batch(top, world_size)
     optimizer = _optimizer(top.sub("optimizer"), ignored)
     scheduler = top.sub("scheduler", raw=True)
