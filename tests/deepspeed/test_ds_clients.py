@@ -361,6 +361,18 @@ def test_trl_dpo_trainer_with_a_reference_model(tmp_path, model_folder, stage):
                               "logps_rejected"))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, beta", [(2, 0.04), (3, 0.0), (3, 0.04)])
+def test_trl_grpo_trainer_generates_and_trains(tmp_path, model_folder, stage, beta):
+    """TRL's GRPOTrainer, W = 2: completions sampled with ``generate`` on the trained model (under
+    ZeRO-3 inside ``GatheredParameters``, DeepSpeed's module hooks removed and registered again),
+    rewarded by a function, the policy stepped; ``beta`` > 0 adds TRL's reference model. The sampled
+    completions' rewards, the losses and the gradient norms equal DeepSpeed's."""
+    case = {"model": model_folder, "config": hf_trainer.ds_config(stage), "steps": 3, "beta": beta}
+    ours, theirs = _both(tmp_path, "trl_grpo", 2, case)
+    _same(ours, theirs, keys=("reward", "loss", "grad_norm"))
+
+
 def _accelerate_launch(folder, stage: int, zfunc: bool) -> list[dict]:
     """``accelerate launch --config_file`` (``distributed_type: DEEPSPEED`` with a
     ``deepspeed_config_file``, two processes on the CPU) of tests/harness/ds_accelerate_script.py,

@@ -2,7 +2,7 @@
 ordinary Accelerate training loop with its DeepSpeed plugin, TRL's ``SFTTrainer`` and Lightning's
 ``DeepSpeedStrategy``, each on the tiny Llama of tests/harness/hf_trainer.py.
 
-``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|lightning --case JSON --out DIR``
+``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|trl_grpo|lightning --case JSON --out DIR``
 (under ``torchrun --nproc_per_node W``) writes ``DIR/rank{r}.json``: every micro-batch's training
 loss as the model computed it (a forward hook on the model: the library is not touched), and what
 the client's case reads back (Accelerate: the losses of the steps after a ``load_state``, and
@@ -181,6 +181,35 @@ def trl_dpo(case: dict, out: str, seen: dict) -> None:
         seen[key.replace("/", "_")] = [h[key] for h in logs]
 
 
+def trl_grpo(case: dict, out: str, seen: dict) -> None:
+    """TRL's ``GRPOTrainer`` with ``GRPOConfig(deepspeed=...)``: each prompt's completions sampled by
+    ``generate`` on the model the engine trains (TRL's ``unwrap_model_for_generation``), scored by a
+    reward function, the policy stepped on the group-relative advantages; ``beta``: with a reference
+    model (made by TRL's ``prepare_deepspeed``). The Trainer's logged loss, gradient norm and rewards."""
+    import datasets
+    import trl
+
+    model = _model(case["model"], seen)
+    prompts = [" ".join(t.split()[:4]) for t in texts(16, 4)]
+
+    def reward(completions, **kwargs):  # more of the word w7 is better
+        return [float(c.split().count("w7")) + 0.1 * len(c.split()) for c in completions]
+
+    args = trl.GRPOConfig(
+        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=4,
+        gradient_accumulation_steps=1, max_steps=case.get("steps", 3), learning_rate=LR, warmup_steps=0,
+        lr_scheduler_type="constant", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        num_generations=4, max_completion_length=6, beta=case.get("beta", 0.0), bf16=False,
+        **hf_trainer.cpu_processes(False))
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
+                              train_dataset=datasets.Dataset.from_dict({"prompt": prompts}))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    for key in ("loss", "grad_norm", "reward"):
+        seen[key] = [h[key] for h in logs]
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
@@ -297,7 +326,8 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
 
 # ----------------------------------------------------------------------------- the launch
 
-CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "trl_dpo": trl_dpo, "lightning": lightning_fit}
+CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "trl_dpo": trl_dpo, "trl_grpo": trl_grpo,
+           "lightning": lightning_fit}
 
 
 def main() -> None:

@@ -43,6 +43,27 @@ class LiveLr:
         return float(self.groups[self.k]["lr"])
 
 
+class NoModuleHooks:
+    """What TRL's ``unwrap_model_for_generation`` handles as DeepSpeed's ZeRO-3 parameter offload: it
+    clears each parameter's active modules and removes the module hooks, then registers them again.
+    zfunc's ZeRO-3 gathers inside its step, through no module hooks, so each of those finds nothing."""
+
+    def __init__(self):
+        self.module = _NoParameters()
+        self.forward_hooks, self.backward_hooks = [], []
+
+    def _register_deepspeed_module(self, module) -> None:
+        pass
+
+
+class _NoParameters:
+    def named_parameters(self, recurse: bool = True):
+        return iter(())
+
+    def ds_external_parameters(self):
+        return iter(())
+
+
 class OptimizerHandle:
     """``engine.optimizer``: the engine's optimizer as scripts read it (see the module docstring).
     ``live``: the script's optimizer's groups, whose lr the script sets (``LiveLr``), returned as they are."""
@@ -59,11 +80,9 @@ class OptimizerHandle:
 
     @property
     def parameter_offload(self):
-        """DeepSpeed's ZeRO-3 module hooks, which TRL removes and re-adds around generation: zfunc has
-        none (an AttributeError, so ``hasattr`` is False and such code skips them)."""
-        raise AttributeError("engine.optimizer.parameter_offload: zfunc's ZeRO-3 has no module hooks to remove "
-                             "for generation; generate with engine.module.generate(...) or zf.bind(state, model), "
-                             "which gather one unit at a time")
+        """DeepSpeed's ZeRO-3 module hooks, which TRL removes around generation and registers again:
+        zfunc has none, so there is nothing to remove (``NoModuleHooks``)."""
+        return NoModuleHooks()
 
     @property
     def state(self):
