@@ -120,6 +120,18 @@ def test_peft_lora(tmp_path, model_folder, stage):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("evaluate", ["only", "after"])
+def test_evaluate(tmp_path, model_folder, evaluate):
+    """The Trainer's ``evaluate()`` at ZeRO-3, W = 2: alone (transformers makes an engine for inference,
+    with no optimizer) and after training: the eval loss, and the training's, equal DeepSpeed's."""
+    ours, theirs = _both(tmp_path, model_folder, 2, harness.ds_config(3), steps=3, evaluate=evaluate)
+    if evaluate == "after":
+        _same(ours, theirs)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a["eval_loss"], b["eval_loss"], **FP32)
+
+
+@pytest.mark.slow
 def test_resume_from_checkpoint(tmp_path, model_folder):
     """Checkpoints every 2 steps; a new job resumes from checkpoint-2 and takes steps 3 and 4 as the
     first one took them, under zfunc as under DeepSpeed."""

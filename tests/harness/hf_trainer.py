@@ -125,8 +125,18 @@ def _trainer(case: dict, out: str, model_folder: str, seen: dict, resume: str | 
             seen["losses"].append(float(output.loss.detach().float()))
     model.register_forward_hook(record, with_kwargs=True)
     args = args or arguments()
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    # evaluate: "only", the Trainer's evaluate() and no training (its engine made for inference: no
+    # optimizer); "after", evaluate() after training (transformers' evaluate() before train() fails
+    # under DeepSpeed itself: the training engine is then not made)
+    evaluate = case.get("evaluate")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   eval_dataset=Tokens() if evaluate else None)
+    if evaluate == "only":
+        seen["eval_loss"] = trainer.evaluate()["eval_loss"]
+        return trainer
     trainer.train(resume_from_checkpoint=resume)
+    if evaluate == "after":
+        seen["eval_loss"] = trainer.evaluate()["eval_loss"]
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     seen["grad_norms"] = [h["grad_norm"] for h in logs]
     seen["lrs"] = [h["learning_rate"] for h in logs]
