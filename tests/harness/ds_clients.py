@@ -18,10 +18,9 @@ import argparse
 import copy
 import json
 import os
-import subprocess
-import sys
 
 import hf_trainer
+import torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LR, WEIGHT_DECAY, BATCH = 2e-3, 0.01, 2
@@ -354,21 +353,11 @@ def main() -> None:
 def run(which: str, client: str, case: dict, out: str, world: int = 1, timeout: int = 600) -> list[dict]:
     """Launch ``client``'s script under torchrun with ``world`` gloo ranks, ``import deepspeed``
     being ``which`` ("zfunc": ``ZFUNC_AS_DEEPSPEED=1``; "deepspeed": the real one); each rank's record."""
-    os.makedirs(out, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "ZFUNC_AS_DEEPSPEED": "1" if which == "zfunc" else "0", "PYTHONPATH": os.pathsep.join(
                [HERE, os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           os.path.abspath(__file__), "--client", client, "--case", json.dumps(case), "--out", out]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"{client} on {which} at W = {world} failed ({p.returncode}):\n{p.stdout[-4000:]}\n"
-                             f"{p.stderr[-8000:]}")
-    records = []
-    for r in range(world):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            records.append(json.load(f))
-    return records
+    return torchrun.records(__file__, ["--client", client, "--case", json.dumps(case), "--out", out], out, world, env,
+                            f"{client} on {which}", timeout)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
+
+import torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -167,20 +167,11 @@ def main() -> None:
 
 def run(which: str, case: dict, out: str, world: int = 1, timeout: int = 600) -> list[dict]:
     """Launch the script under torchrun with ``world`` gloo ranks; each rank's record."""
-    os.makedirs(out, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "ACCELERATE_USE_CPU": "false", "PYTHONPATH": os.pathsep.join(
                [os.path.dirname(os.path.dirname(HERE)), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           os.path.abspath(__file__), "--which", which, "--case", json.dumps(case), "--out", out]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"{which} at W = {world} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
-    records = []
-    for r in range(world):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            records.append(json.load(f))
-    return records
+    return torchrun.records(__file__, ["--which", which, "--case", json.dumps(case), "--out", out], out, world, env,
+                            which, timeout)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from hf_trainer import route  # noqa: E402
+import torchrun  # noqa: E402
 
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -91,20 +92,10 @@ def run(which: str, folder: str, out: str, world: int = 2, timeout: int = 600, r
     vocabulary resized to it by ``resize_token_embeddings`` between ``from_pretrained`` and
     ``initialize``; the record's ``resized`` has each resized tensor's shape and its added rows' sum
     and std, the old rows being compared with the file's)."""
-    import subprocess
-    os.makedirs(out, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           os.path.abspath(__file__), "--which", which, "--folder", folder, "--out", out,
-           *([] if resize is None else ["--resize", str(resize)])]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if p.returncode != 0:
-        raise AssertionError(f"{which} at W = {world} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
-    records = []
-    for r in range(world):
-        with open(os.path.join(out, f"rank{r}.json")) as f:
-            records.append(json.load(f))
-    return records
+    return torchrun.records(__file__, ["--which", which, "--folder", folder, "--out", out,
+                                       *([] if resize is None else ["--resize", str(resize)])], out, world, env,
+                            which, timeout)
 
 
 if __name__ == "__main__":
