@@ -1,5 +1,8 @@
 """Run one script as W fresh processes on localhost with torchrun's environment variables.
 
+``gpt_args``: the command line of the benchmarks that run examples/gpt.py's GPT in each of their
+peers' fresh processes (muon.py, hybrid.py).
+
 torchrun would do, but it adds an agent process and its own logging; benchmarks want
 nothing but W workers whose peak RSS is theirs alone, and a clean failure when one dies.
 A benchmark script is both: the driver, and, started again by it with --worker, each worker
@@ -66,3 +69,33 @@ def each_in_fresh_processes(names, script: str, argv, world: int, env=None, time
             with open(out) as f:
                 rows[name] = json.load(f)
     return rows
+
+
+def gpt_args(p, peers, timeout: float, extra=()):
+    """``p`` (an ``argparse`` parser) given the GPT's shape, the step counts, ``--peers`` (of
+    ``peers``), ``--json``, ``--small`` (a tiny model, 2 steps after 1) and the workers' ``--worker``;
+    ``extra``: ``(flag, kwargs)`` pairs added too. Returns the parsed arguments, ``peers`` a list."""
+    import argparse
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=256, help="d_model")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--steps", type=int, default=6, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    for flag, kwargs in extra:
+        p.add_argument(flag, **kwargs)
+    p.add_argument("--peers", default=",".join(peers))
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per peer before its processes are killed")
+    p.add_argument("--json", default=None, help="also write every peer's raw result here")
+    p.add_argument("--small", action="store_true", help="a tiny model and 2 steps, for smoke testing")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.small:
+        args.layers, args.width, args.vocab, args.seq, args.steps, args.warmup = 2, 64, 256, 16, 2, 1
+    args.peers = args.peers.split(",")
+    for peer in args.peers:
+        if peer not in peers and not args.worker:
+            p.error(f"unknown peer {peer!r}; choose from {', '.join(peers)}")
+    return args

@@ -50,7 +50,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 sys.path.insert(0, HERE)
-from _launch import driver_or_worker, each_in_fresh_processes  # noqa: E402
+from _launch import driver_or_worker, each_in_fresh_processes, gpt_args  # noqa: E402
 from _worker import finish, timed_steps  # noqa: E402
 from gpt import GPT, GPTConfig, num_params, rank_generator  # noqa: E402
 
@@ -67,24 +67,7 @@ WORLD = 4
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--width", type=int, default=256, help="d_model")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--steps", type=int, default=6, help="timed steps")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--peers", default=",".join(PEERS))
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--json", default=None)
-    p.add_argument("--small", action="store_true", help="a tiny model and 2 steps, for smoke testing")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.small:
-        args.layers, args.width, args.vocab, args.seq, args.steps, args.warmup = 2, 64, 256, 16, 2, 1
-    args.peers = args.peers.split(",")
-    return args
+    return gpt_args(p, PEERS, timeout=600)
 
 
 def hidden(name: str) -> bool:
