@@ -163,8 +163,19 @@ def test_cpu_on_a_cpu_machine_moves_nothing_and_still_refuses_until_reloaded(tmp
     assert m["loss"].item() == ref_m["loss"].item()
 
 
-def test_include_moves_only_the_named_parts_by_zfunc_or_deepspeed_names(tmp_path):
-    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+def test_deepspeeds_offload_enums_are_importable_from_zfunc_as_deepspeeds():
+    """``from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum`` in
+    a script under the switch: zfunc's have DeepSpeed's names and values."""
+    from deepspeed.runtime.zero import offload_config as theirs
+    from zfunc.deepspeed.runtime.zero import offload_config as ours
+    for name in ("OffloadDeviceEnum", "OffloadStateTypeEnum"):
+        assert {m.name: m.value for m in getattr(ours, name)} == {m.name: m.value for m in getattr(theirs, name)}
+
+
+@pytest.mark.parametrize("enums", ["deepspeed", "zfunc.deepspeed"])
+def test_include_moves_only_the_named_parts_by_zfunc_or_deepspeed_names(tmp_path, enums):
+    import importlib
+    OffloadStateTypeEnum = importlib.import_module(f"{enums}.runtime.zero.offload_config").OffloadStateTypeEnum
 
     model = llama()
     step = compose("bf16", model, "")
