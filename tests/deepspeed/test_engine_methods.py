@@ -109,6 +109,15 @@ def test_train_and_eval_set_the_models_mode():
     engine.close()
 
 
+def test_the_engines_optimizer_is_a_deepspeed_optimizer():
+    """Lightning Fabric's checkpoint load asks ``isinstance(optimizer, DeepSpeedOptimizer)`` to decide
+    whether to load the optimizer's states."""
+    from zfunc.deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    engine, optimizer, _, _ = zds.initialize(model=Net(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert isinstance(optimizer, DeepSpeedOptimizer) and not isinstance(torch.zeros(1), DeepSpeedOptimizer)
+
+
 def forward_only(stage: int) -> dict:
     """An engine made with no optimizer (TRL's reference model): its eval forward is the model's."""
     torch.manual_seed(0)
