@@ -439,6 +439,19 @@ def test_lightning_model_checkpoint_callback(tmp_path, model_folder, configure_m
         assert all(math.isfinite(x) for x in a["losses"]), a
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lightning_fabric_deepspeed_strategy(tmp_path, model_folder, stage):
+    """Lightning Fabric's DeepSpeedStrategy, W = 2 (its distributed sampler): ``fabric.setup``,
+    ``fabric.backward``, ``optimizer.step()`` (Fabric steps the optimizer it returned, never the
+    engine), ``fabric.save`` after 2 steps and ``fabric.load`` into a fresh model and optimizer set up
+    again: every loss equal to DeepSpeed's, and the saved step count comes back."""
+    case = {"model": model_folder, "config": _lightning_config(stage), "steps": 4, "resume_at": 2}
+    ours, theirs = _both(tmp_path, "fabric", 2, case)
+    _same(ours, theirs)
+    assert [r["resumed_step"] for r in ours + theirs] == [2] * 4
+
+
 def _lightning_config(stage: int) -> dict:
     """What a Lightning user gives ``DeepSpeedStrategy(config=...)``: the optimizer and scheduler come
     from ``configure_optimizers``."""

@@ -2,7 +2,7 @@
 ordinary Accelerate training loop with its DeepSpeed plugin, TRL's ``SFTTrainer`` and Lightning's
 ``DeepSpeedStrategy``, each on the tiny Llama of tests/harness/hf_trainer.py.
 
-``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|trl_grpo|lightning --case JSON --out DIR``
+``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|trl_grpo|lightning|fabric --case JSON --out DIR``
 (under ``torchrun --nproc_per_node W``) writes ``DIR/rank{r}.json``: every micro-batch's training
 loss as the model computed it (a forward hook on the model: the library is not touched), and what
 the client's case reads back (Accelerate: the losses of the steps after a ``load_state``, and
@@ -323,10 +323,78 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
     seen["lrs"] = [float(trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0])]
 
 
+def fabric_cpu_as_cuda():
+    """``cpu_as_cuda()`` for Lightning Fabric, whose ``DeepSpeedStrategy`` refuses any accelerator but
+    its own ``CUDAAccelerator`` in the same way."""
+    import torch
+    from lightning.fabric.accelerators import CUDAAccelerator
+
+    class CPUAsCUDA(CUDAAccelerator):
+        def setup_device(self, device):
+            pass
+
+        def teardown(self):
+            pass
+
+        @staticmethod
+        def parse_devices(devices):
+            return int(devices)
+
+        @staticmethod
+        def get_parallel_devices(devices):
+            return [torch.device("cpu", k) for k in range(int(devices))]
+
+        @staticmethod
+        def auto_device_count():
+            return 1
+
+        @staticmethod
+        def is_available():
+            return True
+
+    return CPUAsCUDA()
+
+
+def fabric_loop(case: dict, out: str, seen: dict) -> None:
+    """Lightning Fabric with ``DeepSpeedStrategy(config=...)``: ``fabric.setup(model, optimizer)``
+    (a torch AdamW), ``fabric.backward``, ``optimizer.step()``; with ``resume_at``: ``fabric.save`` of
+    the model, optimizer and a step count after that many steps, then a fresh model and optimizer set
+    up again and ``fabric.load``-ed, going on to ``steps``."""
+    import lightning.fabric as lf
+    import torch
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    steps, world, resume_at = case.get("steps", 4), int(os.environ.get("WORLD_SIZE", 1)), case.get("resume_at")
+    fabric = lf.Fabric(accelerator=fabric_cpu_as_cuda(), devices=world, precision="32-true",
+                       strategy=DeepSpeedStrategy(config=copy.deepcopy(case["config"])))
+    fabric.launch()
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(hf_trainer.Tokens(), batch_size=BATCH))
+    batches = list(loader)[:steps]  # each rank its own (Fabric's distributed sampler)
+
+    def setup():
+        fabric.seed_everything(0)
+        model = _model(case["model"], seen)
+        return fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY))
+
+    model, optimizer = setup()
+    path = os.path.join(out, "fabric.ckpt")
+    for i, batch in enumerate(batches):
+        if resume_at and i == resume_at:
+            fabric.save(path, {"model": model, "optimizer": optimizer, "step": i})
+            model, optimizer = setup()
+            state = {"model": model, "optimizer": optimizer, "step": 0}
+            fabric.load(path, state)
+            seen["resumed_step"] = state["step"]
+        loss = model(**batch).loss
+        fabric.backward(loss, model=model)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 # ----------------------------------------------------------------------------- the launch
 
 CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "trl_dpo": trl_dpo, "trl_grpo": trl_grpo,
-           "lightning": lightning_fit}
+           "lightning": lightning_fit, "fabric": fabric_loop}
 
 
 def main() -> None:

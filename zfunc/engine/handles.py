@@ -120,8 +120,14 @@ class OptimizerHandle:
                 "optimizer.zero_grad() in the middle of a gradient accumulation (engine.backward since the last "
                 "update) is not supported: the gradients are summed until the boundary's engine.step()")
 
-    def step(self, *args, **kwargs):
-        raise NotImplementedError("optimizer.step(): the engine makes the update; call engine.step()")
+    def step(self, closure=None):
+        """The engine's update, ``engine.step()``: what DeepSpeed's ZeRO optimizer's own ``step()`` does
+        after ``engine.backward`` (Lightning Fabric calls it, never ``engine.step()``). A closure is
+        refused: the loss comes from ``engine.backward``."""
+        if closure is not None:
+            raise NotImplementedError("optimizer.step(closure): zfunc's engine takes the loss from engine.backward; "
+                                      "call optimizer.step() (or engine.step()) after it")
+        self._engine.step()
 
     def state_dict(self) -> dict:
         """The update count and the param groups' hyperparameters (the moments are in the state:
