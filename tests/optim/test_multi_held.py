@@ -47,11 +47,19 @@ def _step(opt, stage: int, offload: str | None = None, swap_dir: str | None = No
     return model, zero(step, **({} if mesh is None else {"mesh": zf.dist.mesh(shard=mesh)}))
 
 
-def train_sgd_adamw(offload: str | None) -> dict:
+def _chained_sgd_adamw():
+    """``_sgd_adamw`` with each member a ``chain`` behind a clip that never clips."""
+    clip = zf.optim.clip_by_global_norm(1e9)
+    return zf.optim.multi({"muon": zf.optim.chain(clip, zf.optim.sgd(**SGD)),
+                           "adamw": zf.optim.chain(clip, zf.optim.adamw(**ADAMW))}, recipe_label)
+
+
+def train_sgd_adamw(offload: str | None, chained: bool = False) -> dict:
     rank, world = zf.dist.rank(), zf.dist.world_size()
     swap = os.path.join(tempfile.gettempdir(), f"zfunc-held-nvme-{os.getpid()}")
     # pieces of 64 elements: the held elements of each piece, unit by unit
-    model, step = _step(_sgd_adamw(), 3, offload, swap, sub_group_size=64, buffer_size=64)
+    opt = _chained_sgd_adamw() if chained else _sgd_adamw()
+    model, step = _step(opt, 3, offload, swap, sub_group_size=64, buffer_size=64)
     twin = build("gpt").double()
     state = step.init(model)
     sizes = [t.numel() for t in zf.pytree.tree_leaves(state.opt_state) if t.is_floating_point()]
@@ -79,6 +87,17 @@ def test_an_elementwise_members_state_streams_in_pieces_under_offload_nvme():
         assert_close_to(a["params"], expected)
     # each rank about its share of SGD's 1 and AdamW's 2 elements per own parameter (the layout's padding aside)
     assert sum(r["state_elements"] for r in plain) == matrices + 2 * (params - matrices)
+
+
+def test_a_chain_member_holds_its_optimizers_state_for_its_own_parameters_only():
+    """Each member a ``chain`` (a clip before the optimizer): the optimizer in it restricted to the
+    member's parameters as the bare one is, the same elements of state and the same numbers."""
+    bare = workers(2).run(train_sgd_adamw, None)
+    chained = workers(2).run(train_sgd_adamw, None, True)
+    for a, b in zip(bare, chained):
+        assert a["state_elements"] == b["state_elements"]
+        for k in a["params"]:
+            assert torch.equal(a["params"][k], b["params"][k]), k
 
 
 def save_after(stage: int, offload, directory: str, mesh=None) -> None:

@@ -71,6 +71,9 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
         whole = getattr(transforms[-1].init, "whole", None)
         if whole is not None:
             init.whole = whole  # which parameters it updates whole (zfunc.optim.whole.whole_params)
+        if hasattr(transforms[-1].init, "restrict"):  # zf.optim.multi's hook: the optimizer's state for
+            # ``chosen``'s parameters only (the transformations before it keep theirs)
+            init.restrict = lambda chosen: chain(*transforms[:-1], transforms[-1].init.restrict(chosen))
         return Optimizer(init, update, fuses=True, defers=getattr(transforms[-1], "defers", False),
                          lr=getattr(transforms[-1], "lr", None))
 

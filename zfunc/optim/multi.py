@@ -17,8 +17,9 @@ sgd) runs over the flat buffers with the other labels' parameters marked as with
 through its ``init.restrict`` (adamw, adam, sgd and the whole-tensor ones) keeps its state laid out
 like the parameters (AdamW's moments, SGD's and Muon's momentum) for its own parameters only: each
 unit's leaf holds just their elements of the parameters' leaf (zfunc.optim.held), which checkpoints
-write laid out like the parameters and offload_nvme streams piece by piece. (A member without the
-hook, a ``chain``, keeps it over every parameter, the others' entries zero.)
+write laid out like the parameters and offload_nvme streams piece by piece; a ``chain`` ending in
+one of those restricts its optimizer so (a member without the hook keeps its state over every
+parameter, the others' entries zero).
 
 The state is a dict from label to that optimizer's state.
 """
