@@ -118,18 +118,21 @@ def test_the_engines_optimizer_is_a_deepspeed_optimizer():
     assert isinstance(optimizer, DeepSpeedOptimizer) and not isinstance(torch.zeros(1), DeepSpeedOptimizer)
 
 
-def forward_only(stage: int) -> dict:
-    """An engine made with no optimizer (TRL's reference model): its eval forward is the model's."""
+def forward_only(stage: int, bf16: bool) -> dict:
+    """An engine made with no optimizer (TRL's reference model): its eval forward is the model's (in
+    bf16: the bf16 model's), and it holds no optimizer state (no fp32 master copy)."""
     torch.manual_seed(0)
     model = Net()
-    plain = copy.deepcopy(model).eval()
+    plain = copy.deepcopy(model).to(torch.bfloat16 if bf16 else torch.float32).eval()
     engine, optimizer, _, scheduler = zds.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
         "zero_optimization.stage3_param_persistence_threshold": 40})  # a path as a key: ignored, as by DeepSpeed
     engine.eval()
     x = torch.randn(3, 12, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     with torch.no_grad():
-        same = torch.allclose(engine(x), plain(x), rtol=1e-6, atol=1e-6)
+        ours, theirs = engine(x.to(plain.head.weight.dtype)).float(), plain(x.to(plain.head.weight.dtype)).float()
+        same = torch.allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    state_bytes = zf.memory_report(engine.state)["optimizer_bytes"]
     engine.train()
     engine.backward(engine(x).sum())
     try:
@@ -137,15 +140,16 @@ def forward_only(stage: int) -> dict:
         refused = ""
     except RuntimeError as e:
         refused = str(e)
-    return {"same": same, "refused": refused, "scheduler": scheduler}
+    return {"same": same, "refused": refused, "scheduler": scheduler, "state_bytes": state_bytes}
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_an_engine_without_an_optimizer_runs_forward_only(stage):
+@pytest.mark.parametrize("stage, bf16", [(0, False), (3, False), (3, True)])
+def test_an_engine_without_an_optimizer_runs_forward_only(stage, bf16):
     """``deepspeed.initialize`` with no optimizer in the config or the call, as TRL makes its reference
-    model (W = 2): the eval forward equals the model's, and a step raises, naming the missing optimizer."""
-    for out in workers(2).run(forward_only, stage):
-        assert out["same"] and out["scheduler"] is None, out
+    model (W = 2): the eval forward equals the model's, no optimizer state is held (in bf16 no fp32
+    master copy), and a step raises, naming the missing optimizer."""
+    for out in workers(2).run(forward_only, stage, bf16):
+        assert out["same"] and out["scheduler"] is None and out["state_bytes"] == 0, out
         assert "made without an optimizer" in out["refused"], out
 
 

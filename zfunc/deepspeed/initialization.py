@@ -87,12 +87,17 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
 def _forward_only() -> Optimizer:
     """The optimizer of an engine made without one (none in the config nor the call: TRL's reference
     model, transformers' evaluation-only engine): DeepSpeed makes such an engine for forward passes,
-    and so does zfunc; an update raises, naming why."""
+    and so does zfunc, with no state for it (``forward_only``: no fp32 master copy under bf16 or
+    fp16 either); an update raises, naming why."""
+    def init(params):
+        return EmptyState()
+
     def update(*args, **kwargs):
         raise RuntimeError("this engine was made without an optimizer (deepspeed.initialize with no 'optimizer' in "
                            "the config and none passed), so it runs forward passes only: give it an optimizer to "
                            "train it")
-    return Optimizer(lambda params: EmptyState(), update, fuses=True)
+    init.forward_only = True
+    return Optimizer(init, update, fuses=True)
 
 
 # ------------------------------------------------------------------------------ the config

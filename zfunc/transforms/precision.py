@@ -98,6 +98,8 @@ class MixedPrecision(Transform):
         return t
 
     def wrap_optimizer(self, optimizer):
+        if getattr(optimizer.init, "forward_only", False):  # an engine that never updates: no master copy
+            return optimizer
         return master_weights(optimizer)
 
 
