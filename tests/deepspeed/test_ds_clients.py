@@ -373,6 +373,15 @@ def test_trl_grpo_trainer_generates_and_trains(tmp_path, model_folder, stage, be
     _same(ours, theirs, keys=("reward", "loss", "grad_norm"))
 
 
+@pytest.mark.slow
+def test_trl_reward_trainer_zero3(tmp_path, model_folder):
+    """TRL's RewardTrainer, a sequence-classification head on the tiny Llama, ZeRO-3 at W = 2: losses,
+    gradient norms and accuracies equal DeepSpeed's."""
+    case = {"model": model_folder, "config": hf_trainer.ds_config(3), "steps": 3}
+    ours, theirs = _both(tmp_path, "trl_reward", 2, case)
+    _same(ours, theirs, keys=("loss", "grad_norm", "accuracy"))
+
+
 def _accelerate_launch(folder, stage: int, zfunc: bool) -> list[dict]:
     """``accelerate launch --config_file`` (``distributed_type: DEEPSPEED`` with a
     ``deepspeed_config_file``, two processes on the CPU) of tests/harness/ds_accelerate_script.py,

@@ -2,7 +2,7 @@
 ordinary Accelerate training loop with its DeepSpeed plugin, TRL's ``SFTTrainer`` and Lightning's
 ``DeepSpeedStrategy``, each on the tiny Llama of tests/harness/hf_trainer.py.
 
-``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|trl_grpo|lightning|fabric --case JSON --out DIR``
+``python tests/harness/ds_clients.py --client accelerate|trl|trl_dpo|trl_grpo|trl_reward|lightning|fabric --case JSON --out DIR``
 (under ``torchrun --nproc_per_node W``) writes ``DIR/rank{r}.json``: every micro-batch's training
 loss as the model computed it (a forward hook on the model: the library is not touched), and what
 the client's case reads back (Accelerate: the losses of the steps after a ``load_state``, and
@@ -209,6 +209,34 @@ def trl_grpo(case: dict, out: str, seen: dict) -> None:
         seen[key] = [h[key] for h in logs]
 
 
+def trl_reward(case: dict, out: str, seen: dict) -> None:
+    """TRL's ``RewardTrainer``: the tiny Llama with a sequence-classification head (one score), trained
+    on chosen and rejected answers; the Trainer's logged loss, gradient norm and accuracy."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(case["model"], num_labels=1,
+                                                                            dtype=torch.float32)
+    model.config.pad_token_id = 0
+    rows = texts(32, 8)
+    data = {"chosen": rows[:16], "rejected": rows[16:]}
+    args = trl.RewardConfig(
+        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 3), learning_rate=LR,
+        warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        max_length=16, dataset_num_proc=None, bf16=False, **hf_trainer.cpu_processes(False))
+    trainer = trl.RewardTrainer(model=model, args=args, processing_class=tokenizer(),
+                                train_dataset=datasets.Dataset.from_dict(data))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    for key in ("loss", "grad_norm", "accuracy"):
+        seen[key] = [h[key] for h in logs if key in h]
+
+
 # ----------------------------------------------------------------------------- Lightning
 
 
@@ -394,7 +422,7 @@ def fabric_loop(case: dict, out: str, seen: dict) -> None:
 # ----------------------------------------------------------------------------- the launch
 
 CLIENTS = {"accelerate": accelerate_loop, "trl": trl_sft, "trl_dpo": trl_dpo, "trl_grpo": trl_grpo,
-           "lightning": lightning_fit, "fabric": fabric_loop}
+           "trl_reward": trl_reward, "lightning": lightning_fit, "fabric": fabric_loop}
 
 
 def main() -> None:
