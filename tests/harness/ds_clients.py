@@ -240,16 +240,12 @@ def trl_reward(case: dict, out: str, seen: dict) -> None:
 # ----------------------------------------------------------------------------- Lightning
 
 
-def cpu_as_cuda():
-    """Lightning's ``DeepSpeedStrategy`` refuses any accelerator that is not its ``CUDAAccelerator``
-    ("The DeepSpeed strategy is only supported on CUDA GPUs", in ``setup_environment``), for real
-    DeepSpeed and zfunc alike. On a machine without GPUs this accelerator passes that check and
-    places everything on the CPU (each rank's device ``cpu``, so the process group is gloo); the
-    strategy, the precision plugin and the loop are Lightning's own, unchanged."""
+def _cpu_standing_in_for(cuda_accelerator):
+    """``cuda_accelerator`` (Lightning's or Fabric's ``CUDAAccelerator`` class) placing everything on
+    the CPU: each rank's device ``cpu`` (indexed: the strategy checks them), so the group is gloo."""
     import torch
-    from lightning.pytorch.accelerators import CUDAAccelerator
 
-    class CPUAsCUDA(CUDAAccelerator):
+    class CPUAsCUDA(cuda_accelerator):
         def setup_device(self, device):
             pass
 
@@ -268,7 +264,7 @@ def cpu_as_cuda():
 
         @staticmethod
         def get_parallel_devices(devices):
-            return [torch.device("cpu", k) for k in range(int(devices))]  # indexed: the strategy checks them
+            return [torch.device("cpu", k) for k in range(int(devices))]
 
         @staticmethod
         def auto_device_count():
@@ -279,6 +275,16 @@ def cpu_as_cuda():
             return True
 
     return CPUAsCUDA()
+
+
+def cpu_as_cuda():
+    """Lightning's ``DeepSpeedStrategy`` refuses any accelerator that is not its ``CUDAAccelerator``
+    ("The DeepSpeed strategy is only supported on CUDA GPUs", in ``setup_environment``), for real
+    DeepSpeed and zfunc alike. On a machine without GPUs this accelerator passes that check and
+    places everything on the CPU; the strategy, the precision plugin and the loop are Lightning's
+    own, unchanged."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+    return _cpu_standing_in_for(CUDAAccelerator)
 
 
 def lightning_fit(case: dict, out: str, seen: dict) -> None:
@@ -354,33 +360,8 @@ def lightning_fit(case: dict, out: str, seen: dict) -> None:
 def fabric_cpu_as_cuda():
     """``cpu_as_cuda()`` for Lightning Fabric, whose ``DeepSpeedStrategy`` refuses any accelerator but
     its own ``CUDAAccelerator`` in the same way."""
-    import torch
     from lightning.fabric.accelerators import CUDAAccelerator
-
-    class CPUAsCUDA(CUDAAccelerator):
-        def setup_device(self, device):
-            pass
-
-        def teardown(self):
-            pass
-
-        @staticmethod
-        def parse_devices(devices):
-            return int(devices)
-
-        @staticmethod
-        def get_parallel_devices(devices):
-            return [torch.device("cpu", k) for k in range(int(devices))]
-
-        @staticmethod
-        def auto_device_count():
-            return 1
-
-        @staticmethod
-        def is_available():
-            return True
-
-    return CPUAsCUDA()
+    return _cpu_standing_in_for(CUDAAccelerator)
 
 
 def fabric_loop(case: dict, out: str, seen: dict) -> None:
