@@ -129,6 +129,16 @@ def texts(n: int = 64, length: int = 15) -> list[str]:
     return [" ".join(f"w{i}" for i in row.tolist()) for row in ids]
 
 
+def _trl_arguments(case: dict, out: str, steps: int, bf16: bool = False, **extra) -> dict:
+    """The training arguments every TRL case here gives its trainer's config: DeepSpeed's config, a
+    linear warmup of one step, a log line every step, nothing saved, on the CPU processes."""
+    return dict(output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
+                gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", steps), learning_rate=LR,
+                warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0,
+                logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
+                disable_tqdm=True, bf16=bf16, dataset_num_proc=None, **hf_trainer.cpu_processes(bf16), **extra)
+
+
 def trl_sft(case: dict, out: str, seen: dict) -> None:
     """TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed=...)`` on a text data set
     (``datasets.Dataset.from_dict``) that TRL tokenizes itself; the Trainer's logged ``grad_norm``,
@@ -138,12 +148,7 @@ def trl_sft(case: dict, out: str, seen: dict) -> None:
 
     model = _model(case["model"], seen)
     bf16 = case.get("bf16", False)
-    args = trl.SFTConfig(
-        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 4), learning_rate=LR,
-        warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        bf16=bf16, max_length=32, packing=False, dataset_num_proc=None, **hf_trainer.cpu_processes(bf16))
+    args = trl.SFTConfig(**_trl_arguments(case, out, 4, bf16, max_length=32, packing=False))
     trainer = trl.SFTTrainer(model=model, args=args, processing_class=tokenizer(),
                              train_dataset=datasets.Dataset.from_dict({"text": texts()}))
     trainer.train()
@@ -166,12 +171,7 @@ def trl_dpo(case: dict, out: str, seen: dict) -> None:
     data = {"prompt": [" ".join(t.split()[:4]) for t in rows[:16]],
             "chosen": [" ".join(t.split()[4:]) for t in rows[:16]],
             "rejected": [" ".join(t.split()[4:]) for t in rows[16:32]]}
-    args = trl.DPOConfig(
-        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 3), learning_rate=LR,
-        warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        max_length=24, dataset_num_proc=None, bf16=False, **hf_trainer.cpu_processes(False))
+    args = trl.DPOConfig(**_trl_arguments(case, out, 3, max_length=24))
     trainer = trl.DPOTrainer(model=model, ref_model=ref, args=args, processing_class=tokenizer(),
                              train_dataset=datasets.Dataset.from_dict(data))
     trainer.train()
@@ -223,12 +223,7 @@ def trl_reward(case: dict, out: str, seen: dict) -> None:
     model.config.pad_token_id = 0
     rows = texts(32, 8)
     data = {"chosen": rows[:16], "rejected": rows[16:]}
-    args = trl.RewardConfig(
-        output_dir=os.path.join(out, "run"), deepspeed=case["config"], per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=case.get("gas", 1), max_steps=case.get("steps", 3), learning_rate=LR,
-        warmup_steps=1, lr_scheduler_type="linear", weight_decay=WEIGHT_DECAY, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
-        max_length=16, dataset_num_proc=None, bf16=False, **hf_trainer.cpu_processes(False))
+    args = trl.RewardConfig(**_trl_arguments(case, out, 3, max_length=16))
     trainer = trl.RewardTrainer(model=model, args=args, processing_class=tokenizer(),
                                 train_dataset=datasets.Dataset.from_dict(data))
     trainer.train()
