@@ -395,7 +395,8 @@ class Engine(Loop):
         """The whole training state under ``save_dir/tag`` (default ``global_step{N}``, as DeepSpeed
         names it) and ``save_dir/latest`` naming it; every rank calls it; returns the checkpoint's
         folder (zfunc.checkpoint). ``client_state``: a dict ``load_checkpoint`` returns (plain data
-        in the manifest, anything else torch can pickle beside it: zfunc.checkpoint.client_state). ``exclude_frozen_parameters=True`` (every peft save of transformers' Trainer): the
+        in the manifest, anything else torch can pickle beside it: zfunc.checkpoint.client_state).
+        ``exclude_frozen_parameters=True`` (every peft save of transformers' Trainer): the
         checkpoint is marked so, and its load keeps the frozen parameters the loading model holds,
         as DeepSpeed's (the files still hold them: zfunc's checkpoint format writes every unit).
         DeepSpeed's ``save_latest=False`` raises."""

@@ -318,12 +318,12 @@ class PipelineEngine(Loop):
         """Each stage's state under ``save_dir/stage{s}``; loadable at another data-parallel size
         and at another pipeline shape (``load_checkpoint``)."""
         tag = tag if tag is not None else f"global_step{self.global_steps}"
+        client, files = client_state_file.pack(client_state)
         extra = {"engine": self._counters(),
                  "pipeline": {"stages": self.grid.stages, "parts": self.pipe.parts, "layers": len(self.pipe.layers)},
-                 "config": self.config.raw}
-        client, files = client_state_file.pack(client_state)
-        folder = checkpoint.save(self.state, os.path.join(save_dir, f"stage{self.grid.stage}"), tag,
-                                 extra={**extra, **client}, group=self.grid.data_group, files=files)
+                 "config": self.config.raw, **client}
+        folder = checkpoint.save(self.state, os.path.join(save_dir, f"stage{self.grid.stage}"), tag, extra=extra,
+                                 group=self.grid.data_group, files=files)
         dist.barrier()
         return folder
 
