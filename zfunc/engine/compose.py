@@ -66,8 +66,7 @@ def build_optimizer(cfg, optimizer, lr_scheduler, model=None):
             optimizer = optim.adamw(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         else:
             optimizer = optim.adam(lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    if cfg.gradient_clipping > 0 and not getattr(optimizer.init, "forward_only", False):  # an engine that never
-        # updates (zfunc.deepspeed's without an optimizer) has nothing to clip
+    if cfg.gradient_clipping > 0:
         optimizer = optim.chain(optim.clip_by_global_norm(cfg.gradient_clipping), optimizer)
     return optimizer, schedule
 

@@ -71,6 +71,8 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
         whole = getattr(transforms[-1].init, "whole", None)
         if whole is not None:
             init.whole = whole  # which parameters it updates whole (zfunc.optim.whole.whole_params)
+        if getattr(transforms[-1].init, "forward_only", False):
+            init.forward_only = True  # it never updates: mixed precision keeps no master copy for it
         if hasattr(transforms[-1].init, "restrict"):  # zf.optim.multi's hook: the optimizer's state for
             # ``chosen``'s parameters only (the transformations before it keep theirs)
             init.restrict = lambda chosen: chain(*transforms[:-1], transforms[-1].init.restrict(chosen))
