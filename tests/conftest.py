@@ -9,6 +9,11 @@ import pytest
 # file's own folder on the path as it collects it, so a worker still finds a test's top-level
 # function by its module name.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness"))
+# Every process a test launches lets gloo's workers finish before its interpreter's teardown
+# (harness/at_exit/sitecustomize.py says why): the reference runs under real DeepSpeed need it.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness", "at_exit"),
+                os.environ.get("PYTHONPATH")) if p)
 
 from workers import close_all  # noqa: E402
 
