@@ -240,6 +240,31 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
     return {name: out[name] for name in order}
 
 
+def whole_here(state: State) -> bool:
+    """Whether every unit of the parameters the step computes with (trainable and frozen) is whole
+    on this rank (ZeRO 0-2, or a group of one), so ``compute_params`` needs no other rank."""
+    return all(not any(p.spec.sharded) or dist.world_size(p.spec.process_group) == 1
+               for p in (state.params, state.frozen))
+
+
+def compute_params(state: State) -> dict[str, torch.Tensor]:
+    """The parameters as the step computes with them (mixed precision's low-precision copy, which is
+    its fp32 masters rounded), keyed like ``model.named_parameters()``, on CPU, read on this rank
+    alone: only where ``whole_here``. A state whose update failed raises."""
+    if not whole_here(state):
+        raise ValueError("compute_params: a unit is sharded across ranks; gather_params(state) reads it (every "
+                         "rank calls it)")
+    check_usable(state)
+    out: dict[str, torch.Tensor] = {}
+    for params in (state.params, state.frozen):
+        spec = params.spec
+        for i in range(len(params.leaves)):
+            for name, t in spec.segment(i).unflatten(unit_values(params, i)).items():
+                out[name] = t.to(device="cpu", copy=True)
+    order = [n for n, _ in spec.model.owner if spec.model.canonical_name(n) == n]
+    return {name: out[name] for name in order}
+
+
 def unit_values(params: Params, i: int) -> torch.Tensor:
     """Unit ``i``'s whole flat buffer (padded) on every rank: this rank's leaf, read in from its swap
     file if it lives in one, all-gathered if sharded (every rank of the group calls it)."""

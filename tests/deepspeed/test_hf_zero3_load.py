@@ -27,6 +27,26 @@ def test_every_tensor_loads_bit_for_bit(tmp_path):
     _check(hf_zero3_load.run("zfunc", folder, str(tmp_path / "out"), world=2))
 
 
+def test_a_loaded_model_wrapped_with_a_new_head_loads_and_keeps_the_head_as_under_deepspeed(tmp_path):
+    """DeepSpeed-Chat's reward model: the loaded model wrapped by a module of the script's, as
+    ``inner``, with a value head built after loading. Every loaded tensor still equals the file's
+    (the spill's names follow the model's), the head keeps its value, ``from_pretrained`` drew
+    nothing from torch's generator, and ``engine.module.state_dict()`` called by rank 0 alone
+    returns at once (DeepSpeed's 0-element placeholders where a unit is sharded); each as real
+    DeepSpeed in the same run."""
+    folder = hf_trainer.save_model_folder(str(tmp_path / "model"))
+    runs = {which: hf_zero3_load.run(which, folder, str(tmp_path / which), world=2, wrap=True)
+            for which in ("zfunc", "deepspeed")}
+    for which, records in runs.items():
+        _check(records)
+        assert all(r["head_kept"] for r in records), which
+    assert [r["draw"] for r in runs["zfunc"]] == [r["draw"] for r in runs["deepspeed"]]
+    ours, theirs = runs["zfunc"][0]["one_rank_state_dict"], runs["deepspeed"][0]["one_rank_state_dict"]
+    # DeepSpeed's placeholders, or (units this small are whole on every rank) the weights themselves
+    assert list(ours) == list(theirs) and all(theirs[k] == [0] for k in theirs)
+    assert ours["head.weight"] in ([0], [1, 32]) and ours["inner.model.embed_tokens.weight"] in ([0], [96, 32])
+
+
 @pytest.mark.slow
 def test_loading_holds_a_block_not_the_model(tmp_path):
     """A 31.6M-parameter Llama (121 MiB in fp32): rank 1's peak RSS grows by under half the model

@@ -51,6 +51,11 @@ def tiny_opt(folder) -> str:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="</s>", unk_token="<unk>",
                             pad_token="<pad>").save_pretrained(str(folder))
+    # DeepSpeed-Chat's save_hf_format copies the tokenizer's ``vocab_file``, which transformers 5's
+    # tokenizers backend sets only where a ``tokenizer.model`` exists: the word list goes there (never
+    # read while tokenizer.json is beside it)
+    with open(os.path.join(str(folder), "tokenizer.model"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
     torch.manual_seed(0)
     config = OPTConfig(vocab_size=24, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
                        max_position_embeddings=64, word_embed_proj_dim=32, pad_token_id=0, bos_token_id=1,

@@ -9,11 +9,12 @@ Like DeepSpeed's ``DeepSpeedEngine`` it is an ``nn.Module`` whose child is the u
   current weights, as inside ``zf.bind`` (each unit gathered as the forward reaches it, no
   gradients, every rank calling it), so ``engine.module(x)`` and ``engine.module.generate(...)``
   work as under DeepSpeed; inside ``engine(batch)`` it is the step's forward. Its
-  ``state_dict()`` holds the weights in the dtype the model computes in (what DeepSpeed's module
-  holds at ZeRO stages 0-2), gathered: every rank calls it (accelerate's ``get_state_dict``
-  does). Under ZeRO-3 its parameters carry DeepSpeed's ``ds_id``, ``ds_status``, ``ds_numel``
-  and ``ds_shape``, so clients take their "gather first" branch, which
-  ``zero.GatheredParameters`` serves.
+  ``state_dict()`` is read on the calling rank alone, as DeepSpeed's (scripts call it on rank 0
+  only): at ZeRO stages 0-2 (or on one rank) the weights in the dtype the model computes in,
+  what DeepSpeed's module holds; under ZeRO-3 across ranks DeepSpeed's 0-element placeholders.
+  Under ZeRO-3 its parameters carry DeepSpeed's ``ds_id``, ``ds_status``, ``ds_numel`` and
+  ``ds_shape``, so clients take their "gather first" branch, which ``zero.GatheredParameters``
+  serves.
 - ``_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=)`` and
   ``zero_gather_16bit_weights_on_model_save()`` are what accelerate and the Trainer save with.
 - ``load_checkpoint`` leaves the random number generators as they are, as DeepSpeed's does (it
@@ -36,6 +37,7 @@ from torch import nn
 from .. import dist, lazy
 from ..engine import sixteen_bit
 from ..engine.engine import Engine
+from ..state import compute_params, whole_here
 from . import zero
 from .zero import ZeroParamStatus
 
@@ -172,17 +174,24 @@ def _moved_around_stand_ins(model: nn.Module, original_apply, fn, *args, **kwarg
 
 
 class _Gathered:
-    """The resolver a ``state_dict()`` outside a step reads stand-ins through (zfunc.lazy): every
-    parameter gathered on first use, in the compute dtype (every rank calls it)."""
+    """The resolver a ``state_dict()`` outside a step reads stand-ins through (zfunc.lazy), as
+    DeepSpeed's module gives it, on the calling rank alone (scripts call it on rank 0 only): each
+    parameter's whole value in the compute dtype where every unit is whole on this rank (ZeRO 0-2,
+    or one rank); under ZeRO-3 across ranks, DeepSpeed's 0-element placeholder (its clients gather
+    first: ``GatheredParameters``, ``_zero3_consolidated_16bit_state_dict``)."""
 
     def __init__(self, engine: DeepSpeedEngine):
         self.engine, self.values = engine, None
 
     def resolve(self, name: str) -> torch.Tensor:
+        state, dtype = self.engine.state, self.engine.config.compute_dtype
         if self.values is None:
             names = [n for n, _ in self.engine.model.named_parameters()]
-            self.values = sixteen_bit.state_dict(self.engine.state, names, self.engine.config.compute_dtype)
-        return self.values[name]
+            self.values = (sixteen_bit.state_dict(state, names, dtype, params=compute_params(state))
+                           if whole_here(state) else {})
+        if name in self.values:
+            return self.values[name]
+        return torch.empty(0, dtype=dtype or torch.float32, device=dist.device_of())
 
 
 def _status_of(t: torch.Tensor):

@@ -19,7 +19,8 @@ the block, on every rank (every rank enters it, as in DeepSpeed: it is collectiv
   With ``modifier_rank=None`` changes are discarded.
 - before it, a parameter built inside ``Init`` (on the meta device) gets real storage holding its
   module's init (``zfunc.unit_init.ParameterInit``, as ``step.init`` would initialize it); it
-  stays real after the block, and ``step.init`` takes it as it is (a meta-built model's real
+  stays real after the block (its init drawn without advancing torch's generator, as DeepSpeed's
+  loading path draws nothing), and ``step.init`` takes it as it is (a meta-built model's real
   parameters are kept). With ``modifier_rank=r`` rank r's values are broadcast on exit; with None,
   the values of the block's start are put back. A parameter that already holds data is left alone,
   as DeepSpeed leaves a parameter that is not ZeRO's.
@@ -287,6 +288,15 @@ class Spill:
             json.dump(index, f)
         return self.folder
 
+    def absorb(self, other: "Spill", prefix: str) -> None:
+        """Take ``other``'s newest values, their names prefixed with ``prefix``, one file at a time;
+        ``other`` is removed."""
+        import safetensors.torch
+        for name in sorted(set(other.file_of.values())):
+            held = safetensors.torch.load_file(os.path.join(other.folder, name))
+            self.write({prefix + n: v for n, v in held.items() if other.file_of.get(n) == name})
+        other.close()
+
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -382,7 +392,8 @@ def unspill(model: nn.Module) -> None:
     shape (DeepSpeed's attributes dropped), and the spill's entries of parameters that hold real data
     now (a module put in a placeholder's place: ``resize_token_embeddings``'s new embedding) dropped,
     so the model's own values are kept for them."""
-    for root in [m for m in model.modules() if m in _spills]:
+    roots = [(path, m) for path, m in model.named_modules() if m in _spills]
+    for _, root in roots:
         spill = _spills[root]
         keep, moved = {}, {}
         for name, p in root.named_parameters():
@@ -397,9 +408,37 @@ def unspill(model: nn.Module) -> None:
         spill.file_of = keep
         if copies:
             spill.write(copies)
+    _name_by_model(model, roots)
     for p in model.parameters():
         if is_placeholder(p):
             _to_meta(p, keep_ds=False)
+
+
+def _name_by_model(model: nn.Module, roots: list[tuple[str, nn.Module]]) -> None:
+    """The spills of ``roots`` (the Init-built modules inside ``model``, at their paths) as one spill
+    of ``model``'s, by ``model``'s names, where they differ: a module loaded by ``from_pretrained``
+    and wrapped in a model of the user's (DeepSpeed-Chat's reward model holds its transformer as
+    ``rwtransformer``), or two of them in one model. A peft model's base keeps its own names (the
+    weights reader maps peft's names to the base's)."""
+    from ..weights import peft_keys
+    found = peft_keys.tuner(model)
+    base = found[1].model if found is not None else None
+    if not any(path and root is not base for path, root in roots):
+        return
+    if base is not None:
+        raise ValueError("deepspeed.initialize: the peft model holds modules built under a ZeRO-3 zero.Init "
+                         "(from_pretrained under a ZeRO-3 config) outside its base model, which zfunc cannot read "
+                         "back; load them without the ZeRO-3 config, or build them inside the base model")
+    merged = Spill()
+    for path, root in roots:
+        prefix = f"{path}." if path else ""
+        for p in root.parameters():
+            key = p.__dict__.get("_zfunc_spill_name")
+            if key is not None:
+                p._zfunc_spill_name = prefix + key
+        merged.absorb(_spills.pop(root), prefix)
+    _spills[model] = merged
+    weakref.finalize(model, merged.close)
 
 
 # ------------------------------------------------------- zero.GatheredParameters
@@ -551,8 +590,10 @@ class GatheredParameters:
         held = [n for n in names if spill is not None and spill.has(keys[n])]
         written = {n: spill.read([keys[n]])[keys[n]] for n in held}
         fresh = [n for n in names if n not in written]
-        values = {**(_initializer(root, tuple(n for n, _ in named))(fresh, device="cpu") if fresh else {}),
-                  **written}
+        values = dict(written)
+        if fresh:  # drawn without moving torch's generator: DeepSpeed's loading path draws nothing either
+            with torch.random.fork_rng(devices=[]):
+                values.update(_initializer(root, tuple(n for n, _ in named))(fresh, device="cpu"))
         for p, name in zip(params, names):
             real = nn.Parameter(values[name], requires_grad=p.requires_grad)
             real.__dict__.update(p.__dict__)  # swap_tensors swaps the attributes too: keep the slot's own

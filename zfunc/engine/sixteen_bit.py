@@ -29,11 +29,13 @@ def gathers_on_save(config) -> bool:
     return any(zero.get(k) is True for k in GATHER_KEYS)
 
 
-def state_dict(state, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The model's ``state_dict`` (``keys``, its order) from ``state``: parameters (the fp32 weights,
-    gathered; every rank calls it) and persistent buffers, floating tensors cast to ``dtype``."""
+def state_dict(state, keys: list[str], dtype: torch.dtype | None,
+               params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict`` (``keys``, its order) from ``state``: parameters (``params``, by
+    default the fp32 weights gathered: every rank calls it) and persistent buffers, floating tensors
+    cast to ``dtype``."""
     spec = state.params.spec.model
-    params = gather_params(state)
+    params = gather_params(state) if params is None else params
     out: dict[str, torch.Tensor] = {}
     by_canonical: dict[str, torch.Tensor] = {}
     for key in keys:
