@@ -230,12 +230,18 @@ def gather_params(state: State) -> dict[str, torch.Tensor]:
     are their stored values, widened). A state whose update failed raises on every rank."""
     trainable = master_params(state)
     check_usable(state, collective=any(trainable.spec.sharded) or any(state.frozen.spec.sharded))
+    return _by_name((trainable, state.frozen), torch.float32)
+
+
+def _by_name(nodes, dtype) -> dict[str, torch.Tensor]:
+    """The parameters of ``nodes`` (trainable, frozen) keyed and ordered like ``named_parameters()``,
+    copied to the CPU in ``dtype`` (None: their own)."""
     out: dict[str, torch.Tensor] = {}
-    for params in (trainable, state.frozen):
+    for params in nodes:
         spec = params.spec
         for i in range(len(params.leaves)):
             for name, t in spec.segment(i).unflatten(unit_values(params, i)).items():
-                out[name] = t.to(device="cpu", dtype=torch.float32, copy=True)
+                out[name] = t.to(device="cpu", dtype=dtype, copy=True)
     order = [n for n, _ in spec.model.owner if spec.model.canonical_name(n) == n]
     return {name: out[name] for name in order}
 
@@ -255,14 +261,7 @@ def compute_params(state: State) -> dict[str, torch.Tensor]:
         raise ValueError("compute_params: a unit is sharded across ranks; gather_params(state) reads it (every "
                          "rank calls it)")
     check_usable(state)
-    out: dict[str, torch.Tensor] = {}
-    for params in (state.params, state.frozen):
-        spec = params.spec
-        for i in range(len(params.leaves)):
-            for name, t in spec.segment(i).unflatten(unit_values(params, i)).items():
-                out[name] = t.to(device="cpu", copy=True)
-    order = [n for n, _ in spec.model.owner if spec.model.canonical_name(n) == n]
-    return {name: out[name] for name in order}
+    return _by_name((state.params, state.frozen), None)
 
 
 def unit_values(params: Params, i: int) -> torch.Tensor:

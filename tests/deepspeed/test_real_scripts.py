@@ -51,6 +51,14 @@ Adam's steps can move them (lr per step). At ZeRO-3 DeepSpeed 0.19.8 fails on th
 stays fp32); zfunc trains it from the model DeepSpeed builds (the same generator draws: DeepSpeed's
 ``zero.Init`` loading path draws none), and the critic it saves holds every weight in full.
 
+DeepSpeed-Chat's step 2 by DPO (``step2_dpo_finetuning``: the policy trained against a frozen
+reference model that is a second, forward-only ``deepspeed.initialize`` with no optimizer, ZeRO-0 or
+ZeRO-3 as the script picks, its loss computed in bf16): at ZeRO-2 and ZeRO-3 the first two losses
+are DeepSpeed's to the bit and the rest within two bf16 units in the last place (seen: one), the
+evaluation before training equal and the one after it within that bound, and the saved model as
+the reward model's above (at ZeRO-3 in fp32 where DeepSpeed's is bf16: ``save_zero_three_model``
+saves what ``GatheredParameters`` shows, zfunc's fp32 master weights).
+
 All in the slow tier: each case is two launches of W processes importing transformers and
 DeepSpeed or zfunc (30-70 s each here).
 """
@@ -207,3 +215,39 @@ def test_deepspeed_chat_step2_reward_model_trains_at_zero3(tmp_path):
     assert critic["v_head.weight"].shape == (1, config.hidden_size)
     assert critic["rwtransformer.decoder.embed_tokens.weight"].shape == (24, config.hidden_size)
     assert all(t.numel() > 0 and torch.isfinite(t.float()).all() for t in critic.values())
+
+
+def dpo_evaluations(lines: list[str]) -> list[tuple[float, float, float]]:
+    """DPO's ``chosen: C, rejected: R, loss: L`` evaluation lines."""
+    return [tuple(map(float, m)) for m in re.findall(r"chosen: (\S+), rejected: (\S+), loss: (\S+)", "\n".join(lines))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3], ids=["W2-zero2", "W2-zero3"])
+def test_deepspeed_chat_step2_dpo_matches_deepspeed(stage, tmp_path):
+    model = tiny_opt(tmp_path / "tiny_opt")
+    script = os.path.join(CHAT, "step2_dpo_finetuning", "main.py")
+    runs = {}
+    for zfunc in (False, True):
+        folder = str(tmp_path / ("zfunc" if zfunc else "deepspeed"))
+        args = [a for a in reward_args(folder, model, stage) if a != "--compute_fp32_loss"]  # DPO has no such flag
+        runs[zfunc] = launch(script, args, 2, folder, zfunc=zfunc, pythonpath=CHAT)
+    (theirs_out, theirs), (ours_out, ours) = runs[False], runs[True]
+    steps = math.ceil(38 / 2 / 2)
+    for rank in range(2):
+        assert len(ours[rank]) == len(theirs[rank]) == steps, rank
+        assert ours[rank][:2] == theirs[rank][:2]
+        # bf16 losses (in [0.5, 1): a unit in the last place is 2^-8): within two of them
+        torch.testing.assert_close(torch.tensor(ours[rank]), torch.tensor(theirs[rank]), rtol=2 ** -7, atol=0)
+    ev, tv = dpo_evaluations(ours_out), dpo_evaluations(theirs_out)
+    assert len(ev) == len(tv) == 2 and ev[0] == tv[0]  # before training: the same model
+    torch.testing.assert_close(torch.tensor(ev[1]), torch.tensor(tv[1]), rtol=2 ** -7, atol=2 ** -12)
+    ours_model, theirs_model = (torch.load(tmp_path / which / "critic" / "pytorch_model.bin")
+                                for which in ("zfunc", "deepspeed"))
+    assert list(ours_model) == list(theirs_model)
+    # at ZeRO-3 save_zero_three_model saves what GatheredParameters shows: DeepSpeed's bf16 parameter,
+    # zfunc's fp32 master weight (docs/deepspeed.md)
+    dtype = torch.float32 if stage == 3 else torch.bfloat16
+    for name, t in theirs_model.items():
+        assert (ours_model[name].shape, ours_model[name].dtype, t.dtype) == (t.shape, dtype, torch.bfloat16), name
+        torch.testing.assert_close(ours_model[name].float(), t.float(), rtol=0, atol=2 * REWARD_LR * steps)
