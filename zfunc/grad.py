@@ -104,7 +104,9 @@ class ParamView(Mapping):
             unwrap()
         self._wrapped, self._recomputed = {}, {}
 
-    def run(self, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def run(self, model: nn.Module, args: tuple, kwargs: dict, method: str | None = None) -> Any:
+        """``model(*args, **kwargs)`` on this view's tensors; ``method``: the model's method of that
+        name called instead of its forward (a reward model's ``forward_value``)."""
         root, handles = self.hook_units(model)
         if compiled.is_wrapped(model):
             compiled.warn_graph_breaks(model, [u.name for u in self.spec.units if u.name])
@@ -114,6 +116,9 @@ class ParamView(Mapping):
         try:
             tensors = {real: self[name] for name, real in root}
             tensors.update(self.buffers)
+            if method is not None:
+                with torch.nn.utils.stateless._reparametrize_module(model, tensors, tie_weights=False, strict=False):
+                    return getattr(model, method)(*args, **kwargs)
             return functional_call(model, tensors, args, kwargs, tie_weights=False, strict=False)
         except torch._dynamo.exc.TorchDynamoException as e:
             if compiled.is_wrapped(model) and self.running is None:
@@ -262,6 +267,15 @@ def apply(model: nn.Module, params: Mapping[str, torch.Tensor], *args, **kwargs)
     if dtype is not None:
         args, kwargs = cast_inputs(dtype, args, kwargs)
     return functional_call(model, dict(params), args, kwargs, strict=False)
+
+
+def apply_method(model: nn.Module, params: Mapping[str, torch.Tensor], method: str, args: tuple,
+                 kwargs: dict) -> Any:
+    """``model.<method>(*args, **kwargs)`` on ``params``, as ``apply`` runs its forward."""
+    if isinstance(params, ParamView):
+        return params.run(model, args, kwargs, method=method)
+    with torch.nn.utils.stateless._reparametrize_module(model, dict(params), strict=False):
+        return getattr(model, method)(*args, **kwargs)
 
 
 def cast_inputs(dtype: torch.dtype, args, kwargs):

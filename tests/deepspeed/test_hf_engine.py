@@ -141,6 +141,51 @@ def test_a_scheduler_built_on_the_returned_optimizer_sets_the_lr():
     engine.close()
 
 
+class Scored(Net):
+    """A model with another entry point than its forward, as DeepSpeed-Chat's reward model's
+    ``forward_value``, and a method that computes nothing."""
+
+    note = "scored"
+
+    def score(self, x, *, scale=1.0):
+        return {"values": self(x).sum(-1) * scale}
+
+    def mark(self):
+        self.marked = True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_models_own_methods_called_on_the_engine_run_on_its_weights_and_train(stage):
+    """DeepSpeed's engine hands what it lacks to its module: ``engine.score(x)`` evaluates under
+    ``no_grad``, and with gradients on is differentiable, so ``engine.backward`` of a loss made from
+    it then ``step()`` trains as plain torch does; a method that returns nothing leaves no pass
+    open; attributes and ``nn.Module``'s own methods are the engine's or the model's as before."""
+    model = Scored()
+    reference = copy.deepcopy(model)
+    engine, *_ = zds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.05),
+                                config=config(stage, gradient_clipping=0.0))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    assert engine.note == "scored" and engine.eval() is engine and engine.train() is engine
+    with pytest.raises(AttributeError):
+        engine.no_such_thing
+    for x, y in batches(3):
+        with torch.no_grad():
+            torch.testing.assert_close(engine.score(x)["values"], reference.score(x)["values"], **TOL)
+        engine.mark()
+        loss = (engine.score(x, scale=0.5)["values"] - y.float()).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        ref_opt.zero_grad()
+        ref_loss = (reference.score(x, scale=0.5)["values"] - y.float()).pow(2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL)
+    assert model.marked
+    for name, t in reference.named_parameters():
+        torch.testing.assert_close(engine.params()[name], t.detach(), **TOL)
+    engine.close()
+
+
 def _frozen_net():
     model = Net()
     model.blocks[0].requires_grad_(False)

@@ -75,6 +75,22 @@ class DeepSpeedEngine(Engine, nn.Module):
     def training(self, mode: bool) -> None:
         pass
 
+    def __getattr__(self, name: str):
+        """What the engine lacks, the model has, as DeepSpeed's engine gives it: a method of the
+        model's own (DeepSpeed-Chat's ``reward_model.forward_value(...)``) runs as ``engine(batch)``
+        runs the forward (``call_method``: on the engine's weights, differentiable with gradients on);
+        other attributes are the model's."""
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("_") or not hasattr(model, name):
+                raise
+        value = getattr(model, name)
+        if hasattr(nn.Module, name) or not callable(value) or getattr(value, "__self__", None) is not model:
+            return value
+        return functools.partial(self.call_method, name)
+
     @property
     def module(self) -> nn.Module:
         """The user's model; outside a step it runs on the engine's weights (the module docstring)."""

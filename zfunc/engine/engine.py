@@ -35,7 +35,7 @@ from ..checkpoint import client_state as client_state_file
 from ..checkpoint.files import read_json
 from ..checkpoint.folders import MANIFEST
 from .compose import build_optimizer, compile_arguments, compile_blocks, compose, resolve_backend
-from ..grad import apply, forward as run_forward, materialized, scalar_loss
+from ..grad import apply, apply_method, forward as run_forward, materialized, scalar_loss
 from ..residency import Bound
 from .imperative import Window
 from .handles import OptimizerHandle, SchedulerHandle
@@ -72,6 +72,8 @@ def model_forward(model: nn.Module, loss_fn: Callable | None) -> Callable:
         def run(*args, **kw):
             return apply(model, params, *args, **kw)
 
+        if isinstance(batch, MethodCall):
+            return apply_method(model, params, batch.name, batch.args, batch.kwargs)
         if loss_fn is not None:
             return loss_fn(run, batch)
         if isinstance(batch, _Inputs):
@@ -106,6 +108,14 @@ class _Inputs(NamedTuple):
     kwargs: dict
 
 
+class MethodCall(NamedTuple):
+    """A call of the model's method ``name`` in place of its forward (``Engine.call_method``)."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+
+
 def _the_loss(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         value = out
@@ -126,6 +136,8 @@ def _tokens(batch) -> int:
     """Tokens (or samples) in a micro-batch: the elements of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.numel()
+    if isinstance(batch, MethodCall):
+        return _tokens(batch.kwargs or batch.args)
     if isinstance(batch, dict):
         first = batch.get("input_ids", next(iter(batch.values()), None))
         return _tokens(first) if first is not None else 0
@@ -230,7 +242,17 @@ class Engine(Loop):
         the model's keyword arguments, a tuple its positional ones); ``engine(x, y, key=v)`` calls
         the model so.
         """
-        batch = self._batch(inputs, kwargs)
+        return self._run(self._batch(inputs, kwargs))
+
+    forward = __call__
+
+    def call_method(self, name: str, *args, **kwargs):
+        """``model.<name>(*args, **kwargs)`` run as ``engine(batch)`` runs the forward (differentiable
+        with gradients on, an evaluation without): a model's other entry point, such as a reward
+        model's ``forward_value``, which DeepSpeed's clients call on the engine."""
+        return self._run(MethodCall(name, args, kwargs))
+
+    def _run(self, batch):
         if self._window is not None:
             self._window.close_orphans()
         if not torch.is_grad_enabled():  # buffers (running statistics) are updated as the model's would be
@@ -244,8 +266,6 @@ class Engine(Loop):
         out = self._window.forward(self.step_fn, self.state, self._forward_fn, batch)
         self._window.tokens += _tokens(batch) * self.world
         return out
-
-    forward = __call__
 
     def _batch(self, inputs: tuple, kwargs: dict):
         if self._loss_fn is not None and (len(inputs) != 1 or kwargs):

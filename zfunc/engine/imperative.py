@@ -163,6 +163,8 @@ class Window:
                 self.close([p], e)
                 raise
         p.watch(out)
+        if out is None:  # nothing to go back through (a model's method that computes nothing)
+            self.close([p], _Unfinished())
         return out
 
     def backward(self, step: Step, loss: torch.Tensor, last: bool, retain_graph: bool, factor: float = 1.0) -> None:
