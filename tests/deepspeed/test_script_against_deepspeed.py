@@ -1,7 +1,9 @@
 """A DeepSpeed-style training script run twice on the same ranks, once with ``import deepspeed``
 (real DeepSpeed 0.19, CPU accelerator, gloo) and once with ``import zfunc.deepspeed as deepspeed``:
 the same losses (fp32, to 1e-5), the same lr in the returned optimizer's ``param_groups`` and
-scheduler, the same engine methods' values, the same 16-bit model file, and after
+scheduler, the same engine methods' values, the same 16-bit model file, the same fp32 weights read
+back through ``deepspeed.utils.zero_to_fp32`` (its state_dict, its sharded safetensors files and
+index, a fresh model loaded from it), and after
 ``load_checkpoint`` into a fresh engine the same client state and the same next losses; under
 ZeRO stages 1 to 3, with and without gradient accumulation, at W = 1 and 2."""
 import argparse
@@ -79,6 +81,7 @@ def script(which: str, folder: str, stage: int, gas: int) -> dict:
     if rank == 0:
         weights = torch.load(os.path.join(folder, "export", "pytorch_model.bin"))
         seen["weights"] = {k: v.clone() for k, v in weights.items()}
+        seen.update(fp32_weights(importlib.import_module(f"{which}.utils.zero_to_fp32"), checkpoints, folder))
     torch.distributed.barrier()
 
     engine2, optimizer2, loader2, scheduler2 = _engine(deepspeed, args)
@@ -98,6 +101,28 @@ def script(which: str, folder: str, stage: int, gas: int) -> dict:
     return seen
 
 
+def fp32_weights(zero_to_fp32, checkpoints: str, folder: str) -> dict:
+    """What a script reads of a saved checkpoint through ``deepspeed.utils.zero_to_fp32``: the fp32
+    state_dict, its files written in shards of 600 bytes as safetensors (names, index, tensors), and a
+    fresh model loaded from it."""
+    out = os.path.join(folder, "fp32")
+    zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(checkpoints, out, max_shard_size=600,
+                                                            safe_serialization=True)
+    import safetensors.torch
+    files = sorted(os.listdir(out))
+    # cloned: a tensor safetensors maps from its file cannot go back through the workers' queue
+    written = {k: v.clone() for name in files if name.endswith(".safetensors")
+               for k, v in safetensors.torch.load_file(os.path.join(out, name)).items()}
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    torch.manual_seed(1)
+    loaded = zero_to_fp32.load_state_dict_from_zero_checkpoint(Net(), checkpoints)
+    fp32 = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(checkpoints)
+    return {"fp32": {k: v.detach().clone() for k, v in fp32.items()}, "fp32_files": files,
+            "fp32_written": written, "fp32_index": index, "fp32_loaded": {k: v.detach().clone()
+                                                                           for k, v in loaded.state_dict().items()}}
+
+
 def compare(ours: dict, theirs: dict) -> None:
     for key in ("losses", "lrs", "norms", "resumed_losses"):
         assert len(ours[key]) == len(theirs[key]), key
@@ -112,6 +137,13 @@ def compare(ours: dict, theirs: dict) -> None:
     r, s = dict(ours["resumed"]), dict(theirs["resumed"])
     assert r.pop("lr") == pytest.approx(s.pop("lr"), rel=1e-6)
     assert r == s
+    if "fp32" in theirs:
+        assert ours["fp32_files"] == theirs["fp32_files"] and ours["fp32_index"] == theirs["fp32_index"]
+        for key in ("fp32", "fp32_written", "fp32_loaded"):
+            assert list(ours[key]) == list(theirs[key]), key
+            for k, t in theirs[key].items():
+                assert ours[key][k].dtype == t.dtype == torch.float32, (key, k)
+                torch.testing.assert_close(ours[key][k], t, **TOL, msg=f"{key} {k}")
     if "weights" in theirs:
         assert list(ours["weights"]) == list(theirs["weights"])
         for k in theirs["weights"]:

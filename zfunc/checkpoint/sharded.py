@@ -566,14 +566,17 @@ def load(state, directory: str, tag: str | None = None, *, group=None, sources=N
 # -------------------------------------------------------------------- consolidate
 
 
-def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """One fp32 ``state_dict`` (parameters, tied names too, and persistent buffers) from a checkpoint."""
+def consolidate(directory: str, tag: str | None = None, *, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """One fp32 ``state_dict`` (parameters, tied names too, and persistent buffers) from a checkpoint;
+    ``exclude_frozen``: without the parameters that did not train."""
     saved = Saved(resolve(directory, tag))
     manifest = saved.manifest
     units = manifest["model"]["units"]
     out: dict[str, torch.Tensor] = {}
     trainable = "master" if "master" in manifest["layouts"] else "params"  # the fp32 weights
-    for path, kind in ((trainable, "trainable"), ("frozen", "frozen")):
+    kinds = ((trainable, "trainable"),) if exclude_frozen else ((trainable, "trainable"), ("frozen", "frozen"))
+    frozen = {name for unit in units for name, _ in unit["frozen"]["entries"]} if exclude_frozen else set()
+    for path, kind in kinds:
         for i, unit in enumerate(units):
             entries = unit[kind]["entries"]
             if not entries:
@@ -582,7 +585,8 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
             for (name, shape), offset in zip(entries, entry_offsets(unit[kind])):
                 out[name] = flat[offset: offset + math.prod(shape)].reshape(shape).clone()
     for alias, canonical in manifest["model"]["aliases"]:
-        out[alias] = out[canonical]
+        if canonical not in frozen:
+            out[alias] = out[canonical]
     transient = set(manifest.get("transient_buffers", ()))  # not in the model's state_dict
     for path, lay in manifest["layouts"].items():
         name = path[len("buffers['"): -len("']")]
@@ -591,6 +595,8 @@ def consolidate(directory: str, tag: str | None = None) -> dict[str, torch.Tenso
     keys = manifest.get("state_dict_keys")
     if keys is None:
         return out
+    aliases = dict(manifest["model"]["aliases"])
+    keys = [k for k in keys if k not in frozen and aliases.get(k) not in frozen]
     missing = [k for k in keys if k not in out]
     if missing:
         raise ValueError(f"checkpoint {saved.folder!r} lacks {missing[:3]} of the model's state_dict")

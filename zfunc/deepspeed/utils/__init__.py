@@ -10,7 +10,8 @@
 - ``set_z3_leaf_modules`` and friends: DeepSpeed's ZeRO-3 hint to fetch a module's parameters
   together (for mixture-of-experts layers); recorded on the modules, and it changes nothing here:
   zfunc gathers parameters by unit, never one by one;
-- ``recursive_getattr`` / ``recursive_setattr``.
+- ``recursive_getattr`` / ``recursive_setattr``;
+- ``zero_to_fp32``: a checkpoint's fp32 weights as one ``state_dict`` (its module docstring).
 
 Refused, named: ``safe_get_full_grad`` / ``safe_get_full_optimizer_state`` and their ``set`` and
 ``local`` forms (zfunc's gradients live inside the step, its moments in the state's shards; read
@@ -24,7 +25,7 @@ import torch
 from ...engine import RepeatingLoader
 from ..compression.helper import recursive_getattr, recursive_setattr
 from ..zero import GatheredParameters
-from . import groups, logging, timer
+from . import groups, logging, timer, zero_to_fp32
 from .logging import log_dist, logger
 
 __all__ = ["RepeatingLoader", "get_z3_leaf_modules", "log_dist", "logger", "recursive_getattr", "recursive_setattr",
