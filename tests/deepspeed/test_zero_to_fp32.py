@@ -112,6 +112,14 @@ def test_a_model_an_engine_held_loads_the_weights_into_its_own_parameters(tmp_pa
     assert not loaded.body.bias.requires_grad
     x = torch.randint(0, 10, (4,))
     assert torch.isfinite(loaded.eval()(x))  # a plain model now, outside the engine
+    other = Tied()
+    other.extra = nn.Parameter(torch.ones(3))
+    engine2, *_ = zds.initialize(model=other, model_parameters=[p for p in other.parameters() if p.requires_grad],
+                                 config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3},
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    with pytest.raises(ValueError, match="lacks \\['extra'\\]"):  # another model's checkpoint: named, not left unset
+        zero_to_fp32.load_state_dict_from_zero_checkpoint(other, str(tmp_path / "ckpt"))
+    engine2.close()
     for refused in (zero_to_fp32.get_optim_files, zero_to_fp32.get_model_state_file):
         with pytest.raises(NotImplementedError, match="get_fp32_state_dict_from_zero_checkpoint"):
             refused(str(tmp_path / "ckpt"), *([3] if refused is zero_to_fp32.get_model_state_file else []))

@@ -91,14 +91,21 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str, 
     engine, as DeepSpeed's leaves its engine's hooks behind."""
     state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     own: dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    replaced = []
+    for path, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if p is not None and lazy.is_lazy(p):
                 if id(p) not in own:  # tied slots share one parameter, as they shared the stand-in
-                    own[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+                    own[id(p)] = nn.Parameter(torch.full(p.shape, float("nan")), requires_grad=p.requires_grad)
                 module._parameters[attr] = own[id(p)]
+                replaced.append(f"{path}.{attr}" if path else attr)
     model = model.cpu()
-    model.load_state_dict(state_dict, strict=False)
+    missing = set(model.load_state_dict(state_dict, strict=False).missing_keys)
+    unset = [name for name in replaced if name in missing]
+    if unset:
+        raise ValueError(f"load_state_dict_from_zero_checkpoint: checkpoint {checkpoint_dir!r} lacks {unset[:3]} "
+                         f"({len(unset)} in all) of the engine's weights in the model, which now hold NaN: load the "
+                         "checkpoint of this model")
     return model
 
 
