@@ -8,10 +8,9 @@ import sys
 import torch
 
 from .hf_export import safetensors_from_saved
+from .hf_files import DTYPES
 from .sharded import Saved, consolidate, export_hf, resolve
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
 
 
 def main(argv=None) -> int:
@@ -29,7 +28,7 @@ def main(argv=None) -> int:
     e.add_argument("directory")
     e.add_argument("out")
     e.add_argument("--tag", default=None, help="default: the checkpoint 'latest' names")
-    e.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    e.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: each parameter in the dtype the model had (fp32 master weights cast to it)")
     e.add_argument("--max-shard-size", default="5GB", help="bytes, or e.g. 5GB, 500MB (default 5GB)")
     e.add_argument("--config", default=None,
@@ -41,7 +40,7 @@ def main(argv=None) -> int:
                         "without it such a folder is refused")
     args = parser.parse_args(argv)
     if args.command == "export-hf":
-        export_hf(args.directory, args.out, tag=args.tag, dtype=_DTYPES.get(args.dtype),
+        export_hf(args.directory, args.out, tag=args.tag, dtype=DTYPES.get(args.dtype),
                   max_shard_size=args.max_shard_size, config=args.config, overwrite=args.overwrite)
         print(f"wrote {args.out}", file=sys.stderr)
         return 0

@@ -42,6 +42,9 @@ INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's parse_size_to_int
+# the names an export's dtype is given by (the CLI's --dtype, zero_to_fp32's dtype=)
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
 # safetensors' dtype names, narrowest first (its Dtype enum's order, by which it sorts a file's data)
 _NAMES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}

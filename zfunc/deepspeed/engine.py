@@ -37,6 +37,7 @@ from torch import nn
 from .. import dist, lazy
 from ..engine import sixteen_bit
 from ..engine.engine import Engine
+from ..residency.binding import is_own_method
 from ..state import compute_params, whole_here
 from . import zero
 from .zero import ZeroParamStatus
@@ -87,9 +88,7 @@ class DeepSpeedEngine(Engine, nn.Module):
             if model is None or name.startswith("_") or not hasattr(model, name):
                 raise
         value = getattr(model, name)
-        if hasattr(nn.Module, name) or not callable(value) or getattr(value, "__self__", None) is not model:
-            return value
-        return functools.partial(self.call_method, name)
+        return functools.partial(self.call_method, name) if is_own_method(model, name, value) else value
 
     @property
     def module(self) -> nn.Module:

@@ -57,7 +57,7 @@ from torch import nn
 from .. import buffers, dist, lazy
 from ..state import State, check_usable, master_params, unit_values, write_params
 from ..unit_init import ParameterInit
-from ..weights import hf_init
+from ..weights import hf_init, peft_keys
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_engine", "register_external_parameter",
            "unregister_external_parameter"]
@@ -420,7 +420,6 @@ def _name_by_model(model: nn.Module, roots: list[tuple[str, nn.Module]]) -> None
     and wrapped in a model of the user's (DeepSpeed-Chat's reward model holds its transformer as
     ``rwtransformer``), or two of them in one model. A peft model's base keeps its own names (the
     weights reader maps peft's names to the base's)."""
-    from ..weights import peft_keys
     found = peft_keys.tuner(model)
     base = found[1].model if found is not None else None
     if not any(path and root is not base for path, root in roots):

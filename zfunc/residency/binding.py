@@ -56,6 +56,12 @@ def bind(state, model: nn.Module):
         tracker.close()
 
 
+def is_own_method(model: nn.Module, name: str, value) -> bool:
+    """Whether ``value`` (``model.<name>``) is a method of the model's own class that may compute
+    with its weights, not ``nn.Module``'s (``eval()``, ``parameters()``) nor a plain attribute."""
+    return not hasattr(nn.Module, name) and callable(value) and getattr(value, "__self__", None) is model
+
+
 class Bound:
     """A model whose calls each run inside ``bind(state(), model)`` (``engine.module``, as
     DeepSpeed's): ``bound(x)``, ``bound.generate(...)`` and the model's other methods run on the
@@ -71,7 +77,7 @@ class Bound:
 
     def __getattr__(self, name: str):
         value = getattr(self._model, name)
-        if hasattr(nn.Module, name) or not callable(value) or getattr(value, "__self__", None) is not self._model:
+        if not is_own_method(self._model, name, value):
             return value
 
         def bound(*args, **kwargs):

@@ -30,15 +30,12 @@ from torch import nn
 
 from ... import lazy
 from ...checkpoint import consolidate
-from ...checkpoint.hf_files import Planned, parse_size, split
+from ...checkpoint.files import write_text
+from ...checkpoint.hf_files import DTYPES, Planned, parse_size, split
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
            "get_fp32_state_dict_from_zero_checkpoint", "get_model_state_file", "get_optim_files",
            "load_state_dict_from_zero_checkpoint"]
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
@@ -69,7 +66,9 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str, output_dir: str, 
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.nbytes for t in plan)},
                      "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
-            written.append(_write(os.path.join(output_dir, f"{weights}.index.json"), index, None))
+            path = os.path.join(output_dir, f"{weights}.index.json")
+            write_text(path, json.dumps(index, indent=2, sort_keys=True) + "\n")
+            written.append(path)
     except BaseException:
         for path in written:
             os.remove(path)
@@ -122,26 +121,23 @@ def get_optim_files(checkpoint_dir):
 
 
 def _dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
     raise ValueError(f"dtype {dtype!r}: give torch.float32, torch.float16 or torch.bfloat16 (or 'fp32', 'fp16', "
                      "'bf16')")
 
 
-def _write(path: str, value, safe: bool | None) -> str:
-    """``value`` to ``path`` whole or not at all: safetensors (``safe``), torch.save, or JSON (None)."""
+def _write(path: str, tensors: dict, safe: bool) -> str:
+    """``tensors`` to ``path`` whole or not at all: safetensors (``safe``) or torch.save."""
     part = f"{path}.partial"
     try:
-        if safe is None:
-            with open(part, "w") as f:
-                f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-        elif safe:
+        if safe:
             import safetensors.torch
-            safetensors.torch.save_file(value, part, metadata={"format": "pt"})
+            safetensors.torch.save_file(tensors, part, metadata={"format": "pt"})
         else:
-            torch.save(value, part)
+            torch.save(tensors, part)
         os.replace(part, path)
     except BaseException:
         if os.path.exists(part):
