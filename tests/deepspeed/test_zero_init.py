@@ -4,6 +4,7 @@ models: random draws come in another order, so values equal only where the init 
 pretrained weights read into it train as the plain model does; before ``initialize``,
 ``GatheredParameters`` gives its parameters their init and keeps what the block writes there."""
 import json
+import os
 
 import pytest
 import torch
@@ -218,3 +219,55 @@ def test_initialize_keeps_what_a_block_wrote_into_some_parameters_of_a_unit(kind
         return
     a, b = built_normally(kind, 0), built_normally(kind, 1)
     assert_same_init({k: got[k] for k in rest}, {k: a[k] for k in rest}, {k: b[k] for k in rest}, f"{kind}: ")
+
+
+def test_a_spill_renamed_for_the_wrapping_model_is_untouched_when_the_copy_fails(monkeypatch):
+    """A model built under a ZeRO-3 Init, written through GatheredParameters and wrapped by another
+    module: initialize renames its spill to the wrapper's names; a failure while copying (a full disk)
+    leaves the spill as it was and removes the copy, and a later initialize loads it."""
+    from zfunc.deepspeed import zero
+
+    cfg = config("zero3", 1)
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        inner = Plain()
+    want = {}
+    for module in inner.modules():
+        own = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=0), torch.no_grad():
+            for p in own:
+                p.fill_(0.25)
+    for name, p in inner.named_parameters():
+        want[f"inner.{name}"] = torch.full(tuple(p.ds_shape), 0.25)
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kw):
+            return self.inner(**kw)
+
+    model = Wrapper()
+    spill = zero.spilled(model)
+    before = sorted(os.listdir(spill.folder))
+    made = []
+    real_init = zero.Spill.__init__
+
+    def tracked(self):
+        real_init(self)
+        made.append(self.folder)
+
+    def full(self, values):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(zero.Spill, "__init__", tracked)
+    monkeypatch.setattr(zero.Spill, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        deepspeed.initialize(model=model, config=cfg)
+    monkeypatch.undo()
+    assert zero.spilled(model) is spill and sorted(os.listdir(spill.folder)) == before
+    assert made and not any(os.path.exists(f) for f in made)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    got = zf.gather_params(engine.state)
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    engine.close()

@@ -289,13 +289,11 @@ class Spill:
         return self.folder
 
     def absorb(self, other: "Spill", prefix: str) -> None:
-        """Take ``other``'s newest values, their names prefixed with ``prefix``, one file at a time;
-        ``other`` is removed."""
+        """Copy ``other``'s newest values in, their names prefixed with ``prefix``, one file at a time."""
         import safetensors.torch
         for name in sorted(set(other.file_of.values())):
             held = safetensors.torch.load_file(os.path.join(other.folder, name))
             self.write({prefix + n: v for n, v in held.items() if other.file_of.get(n) == name})
-        other.close()
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -429,13 +427,18 @@ def _name_by_model(model: nn.Module, roots: list[tuple[str, nn.Module]]) -> None
                          "(from_pretrained under a ZeRO-3 config) outside its base model, which zfunc cannot read "
                          "back; load them without the ZeRO-3 config, or build them inside the base model")
     merged = Spill()
+    try:
+        for path, root in roots:
+            merged.absorb(_spills[root], f"{path}." if path else "")
+    except BaseException:  # (a full disk) the spills as they were; the copy removed
+        merged.close()
+        raise
     for path, root in roots:
-        prefix = f"{path}." if path else ""
+        _spills.pop(root).close()
         for p in root.parameters():
             key = p.__dict__.get("_zfunc_spill_name")
             if key is not None:
-                p._zfunc_spill_name = prefix + key
-        merged.absorb(_spills.pop(root), prefix)
+                p._zfunc_spill_name = (f"{path}." if path else "") + key
     _spills[model] = merged
     weakref.finalize(model, merged.close)
 
